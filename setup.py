@@ -1,0 +1,26 @@
+"""Install tensorsocket. Torch is required but not pinned: a CUDA build you already have is
+kept; scripts/setup.sh installs the CPU build first on a machine without one."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="tensorsocket",
+    version="0.1.0",
+    description="Share one data loader's batches, zero-copy, with several training processes on one machine",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="MIT",
+    python_requires=">=3.10",
+    packages=find_packages(include=["tensorsocket", "tensorsocket.*"]),
+    install_requires=[
+        "torch>=2.1",
+        "numpy>=1.24",
+        "pyzmq>=25",
+        "msgpack>=1.0",
+        "Pillow>=9",
+    ],
+    extras_require={
+        "gpu": ["cupy-cuda12x>=13", "nvidia-ml-py>=12"],
+        "dev": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.100", "ruff>=0.5", "psutil>=5.9"],
+    },
+)

@@ -1,0 +1,435 @@
+"""The consumer: a drop-in replacement for a DataLoader that yields the producer's batches as
+zero-copy views of shared memory.
+
+The constructor joins the producer (HELLO / WELCOME, within ``timeout``). A background I/O
+thread then owns the DEALER socket: it receives BATCH messages, bounds-checks each layout,
+builds the views and queues the batch, so ``next()`` only takes a ready batch. It also sends
+heartbeats and releases, and watches the producer (its pid when local, its silence
+otherwise) so a lost producer raises :class:`ProducerLost` instead of blocking.
+
+Lifetime: each batch's views hang off one NumPy array with a finalizer. When the last view
+(or anything derived from one) dies, the finalizer queues a release and pokes the I/O
+thread, which re-checks the batch's sampled fingerprint (catching in-place writes to a
+shared batch) and sends RELEASE. Only then may the producer reuse the slot.
+"""
+
+from __future__ import annotations
+
+import collections
+import gc
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+import weakref
+from typing import Any
+
+import torch
+import zmq
+
+from . import endpoint as endpoints
+from . import layout, protocol
+from .errors import BatchModified, Evicted, ProducerLost, ProtocolError, TensorSocketError
+from .host import boot_id, pid_alive, pid_namespace, same_host
+from .protocol import Kind
+from .transport import ArenaMap
+from .transport.shm import ArenaInfo
+from .wakeup import Wakeup
+
+log = logging.getLogger("tensorsocket")
+
+_TICK = 0.05
+_UNLIMITED_PREFETCH = 1 << 16
+# Queue items: (kind, payload). Kinds:
+_BATCH, _EPOCH_END, _END, _ERROR = "batch", "epoch_end", "end", "error"
+
+
+class Consumer:
+    """Iterate the batches a :class:`~tensorsocket.Producer` shares.
+
+    ``for batch in consumer`` runs one epoch and stops exactly at the producer's epoch end;
+    iterate again for the next epoch. Batches are views of shared memory that stay valid as
+    long as you hold any tensor of them; they are read-only by contract (use ``copy=True``
+    for private copies). ``device`` moves tensors there (a copy unless it is "cpu").
+    ``prefetch`` bounds the batches this consumer holds or has queued (default: as many as
+    the producer has slots). ``timeout`` is how long the producer may stay silent before
+    :class:`ProducerLost` is raised, and how long this consumer may stay silent before the
+    producer evicts it.
+    """
+
+    def __init__(
+        self,
+        name: str | None = None,
+        *,
+        endpoint: str | None = None,
+        device: str | torch.device = "cpu",
+        copy: bool = False,
+        timeout: float = 10.0,
+        prefetch: int | None = None,
+        label: str | None = None,
+    ) -> None:
+        if not isinstance(timeout, (int, float)) or not 0.05 <= timeout <= 86400:
+            raise ValueError(f"timeout must be a number of seconds in [0.05, 86400], got {timeout!r}")
+        if prefetch is not None and (type(prefetch) is not int or prefetch < 1):
+            raise ValueError(f"prefetch must be a positive int or None, got {prefetch!r}")
+        if not isinstance(copy, bool):
+            raise ValueError(f"copy must be True or False, got {copy!r}")
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device={device!r} is not a torch device") from None
+        self.endpoint = endpoints.resolve(name, endpoint)
+        self.copy = copy
+        self.timeout = float(timeout)
+        self.label = label if label is not None else f"pid {os.getpid()}"
+        if not isinstance(self.label, str) or len(self.label) > 128:
+            raise ValueError("label must be a string of at most 128 characters")
+        self._prefetch = prefetch or _UNLIMITED_PREFETCH
+
+        self._queue: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._released: collections.deque[tuple[int, int, int, int | None, int, int]] = collections.deque()
+        self._live: set[int] = set()  # seqs built and not yet released
+        self._live_lock = threading.Lock()
+        self._wakeup = Wakeup()
+        weakref.finalize(self, self._wakeup.close)
+        self._stop = threading.Event()
+        self._closed = False
+        self._ended = False
+        self._mid_epoch = False
+        self._violation: str | None = None
+        self._error: Exception | None = None
+        self._stream_over = False  # END or an error arrived: the producer may now go away
+        self._arenas = ArenaMap()
+
+        self._ctx = zmq.Context.instance()
+        self._socket = self._ctx.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.SNDHWM, 0)
+        self._socket.setsockopt(zmq.RCVHWM, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_REPLY_BYTES)
+        try:
+            self._socket.connect(endpoints.connect_address(self.endpoint))
+            welcome = self._handshake()
+        except BaseException:
+            self._socket.close(0)
+            raise
+        self.batches_per_epoch: int | None = welcome["batches"]
+        self.slots: int = welcome["slots"]
+        self._producer_pid = welcome["pid"]
+        self._producer_local = same_host(welcome["boot_id"], welcome["pidns"])
+        self._heartbeat = min(welcome["heartbeat"], self.timeout / 4)
+        for arena in welcome["arenas"]:
+            self._arenas.announce(ArenaInfo(*arena))
+        self._io = threading.Thread(target=self._io_loop, name="tensorsocket-consumer-io", daemon=True)
+        self._io.start()
+
+    # ------------------------------------------------------------------ public API
+
+    def __len__(self) -> int:
+        """Batches per epoch, as the producer's loader reports; TypeError if it has no len()."""
+        if self.batches_per_epoch is None:
+            raise TypeError("the producer's loader has no len()")
+        return self.batches_per_epoch
+
+    def __iter__(self) -> _EpochIterator:
+        """The next epoch. If the previous epoch's loop was left early, its remaining batches
+        are skipped (as a new DataLoader iterator starts a new epoch)."""
+        self._check_open()
+        if self._mid_epoch:
+            self._skip_rest_of_epoch()
+        return _EpochIterator(self)
+
+    @property
+    def finished(self) -> bool:
+        """True once the producer ended the stream and this consumer saw the end."""
+        return self._ended
+
+    def close(self) -> None:
+        """Leave the producer at once (it stops waiting for us). Batches you still hold stay
+        valid. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._wakeup.wake()
+        self._io.join(timeout=5.0)
+        # Drop queued batches; their finalizers fire and are ignored now.
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        self._arenas.close()
+
+    def __enter__(self) -> Consumer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            import warnings
+
+            warnings.warn(f"Consumer of {self.endpoint} was not closed", ResourceWarning, stacklevel=1)
+
+    # ------------------------------------------------------------------ iteration
+
+    def _next(self) -> Any:
+        """The next batch of the current epoch, or StopIteration at its end."""
+        if self._ended:
+            raise StopIteration
+        if self._error is not None:
+            raise self._error
+        self._check_violation()
+        kind, payload = self._take()
+        if kind == _BATCH:
+            self._mid_epoch = True
+            return payload
+        self._mid_epoch = False
+        if kind == _EPOCH_END:
+            raise StopIteration
+        if kind == _END:
+            self._ended = True
+            if payload:
+                raise ProducerLost(f"the producer at {self.endpoint} ended the stream: {payload}")
+            raise StopIteration
+        self._error = payload
+        raise payload
+
+    def _take(self) -> tuple[str, Any]:
+        """Block for the next queue item, with the checks that make a wait finite."""
+        while True:
+            try:
+                return self._queue.get(timeout=_TICK)
+            except queue.Empty:
+                pass
+            if not self._io.is_alive():
+                self._check_open()
+                raise ProducerLost(f"the consumer's I/O thread for {self.endpoint} stopped")
+            self._check_hoarding()
+
+    def _skip_rest_of_epoch(self) -> None:
+        while self._mid_epoch:
+            try:
+                self._next()
+            except StopIteration:
+                break
+
+    def _check_hoarding(self) -> None:
+        limit = min(self._prefetch, self.slots)
+        with self._live_lock:
+            live = len(self._live)
+        if live < limit:
+            return
+        gc.collect()  # batches kept alive only by reference cycles
+        time.sleep(_TICK)  # let the I/O thread process the releases that caused
+        with self._live_lock:
+            live = len(self._live)
+        if live >= limit:
+            raise TensorSocketError(
+                f"this consumer holds {live} batches, all it may hold (prefetch={self._prefetch}, "
+                f"producer slots={self.slots}), and waits for another: that can never arrive. "
+                "Drop references to old batches, use Consumer(copy=True), or give the producer "
+                "more slots"
+            )
+
+    def _check_violation(self) -> None:
+        if self._violation is not None:
+            message, self._violation = self._violation, None
+            raise BatchModified(message)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TensorSocketError(f"consumer of {self.endpoint} is closed")
+
+    # ------------------------------------------------------------------ handshake
+
+    def _handshake(self) -> dict[str, Any]:
+        self._socket.send(
+            protocol.encode(
+                Kind.HELLO,
+                version=protocol.VERSION,
+                pid=os.getpid(),
+                boot_id=boot_id(),
+                pidns=pid_namespace(),
+                label=self.label,
+                prefetch=self._prefetch,
+                timeout=self.timeout,
+            )
+        )
+        if not self._socket.poll(int(self.timeout * 1000)):
+            raise ProducerLost(
+                f"no producer answered at {self.endpoint} within {self.timeout:g} s; start one "
+                "with Producer(loader, name=...) or check the name / endpoint"
+            )
+        kind, msg = protocol.decode(self._socket.recv(), protocol.MAX_REPLY_BYTES)
+        if kind is Kind.WELCOME:
+            return msg
+        if kind in (Kind.ERROR, Kind.EVICTED):
+            raise TensorSocketError(f"the producer at {self.endpoint} refused to serve us: {msg['reason']}")
+        raise ProtocolError(f"expected WELCOME from {self.endpoint}, got {kind.value}")
+
+    # ------------------------------------------------------------------ I/O thread
+
+    def _io_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._wakeup.fd, zmq.POLLIN)
+        now = time.monotonic()
+        last_seen = last_sent = now
+        try:
+            while not self._stop.is_set():
+                events = dict(poller.poll(int(_TICK * 1000)))
+                now = time.monotonic()
+                if self._socket in events:
+                    last_seen = now
+                    if not self._receive():
+                        return
+                if self._wakeup.fd in events:
+                    self._wakeup.drain()
+                if self._send_releases():
+                    last_sent = now
+                if self._stream_over:
+                    continue
+                if now - last_sent >= self._heartbeat:
+                    self._send(protocol.encode(Kind.HEARTBEAT))
+                    last_sent = now
+                if self._producer_local and not pid_alive(self._producer_pid):
+                    self._fail(ProducerLost(f"the producer at {self.endpoint} (pid {self._producer_pid}) died"))
+                    return
+                if now - last_seen > self.timeout:
+                    self._fail(
+                        ProducerLost(f"no message from the producer at {self.endpoint} for {self.timeout:g} s")
+                    )
+                    return
+            self._send_releases()
+            self._send(protocol.encode(Kind.BYE))
+        except Exception as exc:
+            log.exception("consumer I/O thread for %s failed", self.endpoint)
+            self._fail(ProducerLost(f"consumer I/O failed: {type(exc).__name__}: {exc}"))
+        finally:
+            self._socket.close(linger=100)
+
+    def _fail(self, exc: Exception) -> None:
+        self._stream_over = True
+        self._queue.put((_ERROR, exc))
+
+    def _send(self, frame: bytes) -> None:
+        try:
+            self._socket.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # no producer connected any more: nobody to tell
+
+    def _receive(self) -> bool:
+        """Handle every waiting message; False when the stream is over for this consumer."""
+        while True:
+            try:
+                frame = self._socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return True
+            try:
+                kind, msg = protocol.decode(frame, protocol.MAX_REPLY_BYTES)
+                if kind is Kind.BATCH:
+                    self._queue.put((_BATCH, self._build(msg)))
+                elif kind is Kind.ARENA:
+                    self._arenas.announce(ArenaInfo(*msg["arena"]))
+                elif kind is Kind.EPOCH_END:
+                    self._queue.put((_EPOCH_END, msg["epoch"]))
+                elif kind is Kind.END:
+                    self._stream_over = True
+                    self._queue.put((_END, msg["reason"]))
+                elif kind is Kind.EVICTED:
+                    self._fail(Evicted(f"the producer at {self.endpoint} evicted this consumer: {msg['reason']}"))
+                    return False
+                elif kind is Kind.ERROR:
+                    log.error("the producer at %s reports: %s", self.endpoint, msg["reason"])
+                elif kind not in (Kind.HEARTBEAT, Kind.STATUS):
+                    raise ProtocolError(f"unexpected {kind.value} message from the producer")
+            except (ProtocolError, KeyError, ValueError) as exc:
+                self._fail(ProtocolError(f"bad message from the producer at {self.endpoint}: {exc}"))
+                return False
+
+    def _build(self, msg: dict[str, Any]) -> Any:
+        slot = msg["slot"]
+        tree, leaves = layout.check(msg["layout"], self._arenas.size(slot))
+        nbytes = msg["layout"][2]
+        region = self._arenas.region(slot, nbytes)
+        seq = msg["seq"]
+        with self._live_lock:
+            self._live.add(seq)
+        release = weakref.finalize(
+            region, self._on_release, seq, slot, nbytes, msg["fingerprint"], msg["epoch"], msg["index"]
+        )
+        release.atexit = False
+        copy = self.copy or self.device.type != "cpu"
+        batch = layout.build(tree, leaves, region, copy=copy)
+        if self.device.type != "cpu":
+            batch = _to_device(batch, self.device)
+        return batch
+
+    def _on_release(self, seq: int, slot: int, nbytes: int, fingerprint: int | None, epoch: int, index: int) -> None:
+        """Finalizer: runs in whichever thread dropped the last view; must not touch the socket."""
+        self._released.append((seq, slot, nbytes, fingerprint, epoch, index))
+        self._wakeup.wake()
+
+    def _send_releases(self) -> bool:
+        seqs = []
+        while self._released:
+            seq, slot, nbytes, fingerprint, epoch, index = self._released.popleft()
+            if fingerprint is not None and layout.fingerprint(self._arenas.region(slot, nbytes)) != fingerprint:
+                self._report_modified(seq, epoch, index)
+            seqs.append(seq)
+        if not seqs:
+            return False
+        with self._live_lock:
+            self._live.difference_update(seqs)
+        for start in range(0, len(seqs), 4096):
+            self._send(protocol.encode(Kind.RELEASE, seqs=seqs[start : start + 4096]))
+        return True
+
+    def _report_modified(self, seq: int, epoch: int, index: int) -> None:
+        self._violation = (
+            f"batch {index} of epoch {epoch} changed in shared memory while consumer "
+            f"{self.label!r} held it. Shared batches are read-only: every trainer reads the same "
+            "memory, so an in-place op (x.sub_(mean), x /= 255, x[...] = ...) corrupts the others' "
+            "data. Use an out-of-place op (x = x - mean) or Consumer(copy=True). If this process "
+            "wrote nothing, another consumer holding the batch did: see the producer's log."
+        )
+        log.error("%s", self._violation)
+        self._send(protocol.encode(Kind.MODIFIED, seq=seq, epoch=epoch, index=index))
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, tuple):
+        return tuple(_to_device(b, device) for b in batch)
+    if isinstance(batch, list):
+        return [_to_device(b, device) for b in batch]
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+class _EpochIterator:
+    """One epoch of ``for batch in consumer``; a class so no generator frame pins a batch."""
+
+    def __init__(self, consumer: Consumer) -> None:
+        self._consumer = consumer
+        self._done = False
+
+    def __iter__(self) -> _EpochIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self._done:
+            raise StopIteration
+        try:
+            return self._consumer._next()
+        except StopIteration:
+            self._done = True
+            raise

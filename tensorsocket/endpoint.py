@@ -1,0 +1,109 @@
+"""Where producers bind and consumers connect: names, ipc paths, tcp addresses, and the lock
+that keeps a second producer from silently taking over a name."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import stat
+import tempfile
+from pathlib import Path
+from typing import IO
+
+ENV = "TENSORSOCKET_ENDPOINT"
+DEFAULT_NAME = "default"
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_IPC_PATH_MAX = 107  # sun_path is 108 bytes with the terminating NUL
+
+
+def runtime_dir() -> Path:
+    """The per-user directory for ipc sockets, created with mode 0700 and checked.
+
+    ``$XDG_RUNTIME_DIR/tensorsocket`` when that is set, else ``<tmp>/tensorsocket-<uid>``.
+    A directory owned by someone else or open to others is refused: its sockets could be
+    replaced by another user.
+    """
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    path = Path(base) / "tensorsocket" if base else Path(tempfile.gettempdir()) / f"tensorsocket-{os.getuid()}"
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(
+            f"{path} must be a directory owned by uid {os.getuid()} with mode 0700 "
+            f"(found uid {st.st_uid}, mode {oct(st.st_mode & 0o777)}); remove it or set XDG_RUNTIME_DIR"
+        )
+    return path
+
+
+def resolve(name: str | None = None, endpoint: str | None = None) -> str:
+    """Turn ``name`` / ``endpoint`` / ``$TENSORSOCKET_ENDPOINT`` into one zmq endpoint.
+
+    Exactly one of name and endpoint may be given; with neither, the environment variable
+    is used, then the name "default". Raises ValueError naming what was wrong.
+    """
+    if name is not None and endpoint is not None:
+        raise ValueError("give either name= or endpoint=, not both")
+    if name is None and endpoint is None:
+        endpoint = os.environ.get(ENV) or None
+        if endpoint is None:
+            name = DEFAULT_NAME
+    if name is not None:
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise ValueError(
+                f"name={name!r} must be 1-64 characters of letters, digits, '.', '_' or '-', "
+                "starting with a letter or digit"
+            )
+        path = runtime_dir() / f"{name}.sock"
+        if len(str(path)) > _IPC_PATH_MAX:
+            raise ValueError(f"ipc path {path} is longer than {_IPC_PATH_MAX} bytes; use a shorter name or XDG_RUNTIME_DIR")
+        return f"ipc://{path}"
+    assert endpoint is not None
+    if not isinstance(endpoint, str):
+        raise ValueError(f"endpoint must be a string like 'ipc:///path' or 'tcp://127.0.0.1:5555', got {endpoint!r}")
+    if endpoint.startswith("ipc://"):
+        if len(endpoint) - 6 > _IPC_PATH_MAX or len(endpoint) == 6:
+            raise ValueError(f"endpoint {endpoint!r}: the ipc path must be 1-{_IPC_PATH_MAX} bytes")
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        host, sep, port = endpoint[6:].rpartition(":")
+        if not sep or not (port == "*" or port.isdigit() and 0 <= int(port) < 65536):
+            raise ValueError(f"endpoint {endpoint!r}: expected tcp://[host]:port with a port number or *")
+        return f"tcp://{host or '127.0.0.1'}:{port}"
+    raise ValueError(f"endpoint {endpoint!r}: only ipc:// and tcp:// endpoints are supported")
+
+
+def connect_address(endpoint: str) -> str:
+    """The address a consumer connects to for an endpoint a producer binds."""
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint[6:].rpartition(":")
+        if port == "*":
+            raise ValueError(f"endpoint {endpoint!r}: a consumer needs the producer's actual port")
+        if host in ("*", "0.0.0.0", "[::]", "::"):
+            return f"tcp://127.0.0.1:{port}"
+    return endpoint
+
+
+def lock(endpoint: str) -> IO[str] | None:
+    """Take the single-producer lock of an ipc endpoint; None for tcp (bind itself refuses).
+
+    The lock is an flock on ``<path>.lock``, released by the kernel when the holder dies,
+    so a crashed producer never blocks the name.
+    """
+    if not endpoint.startswith("ipc://"):
+        return None
+    path = endpoint[6:] + ".lock"
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise RuntimeError(
+            f"another producer (pid {holder}) is already serving {endpoint}; stop it or use another name"
+        ) from None
+    f.truncate(0)
+    f.write(str(os.getpid()))
+    f.flush()
+    return f

@@ -1,0 +1,48 @@
+"""Facts about this host and its processes that tell whether a peer is alive and local."""
+
+from __future__ import annotations
+
+import os
+
+_BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+
+
+def boot_id() -> str:
+    """This boot's id (same value for every process on the host), or "" where unknown."""
+    try:
+        with open(_BOOT_ID_PATH) as f:
+            return f.read().strip()[:64]
+    except OSError:
+        return ""
+
+
+def pid_namespace() -> int:
+    """The inode of this process's pid namespace: equal pids mean the same process only
+    when this matches too (containers)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def pid_alive(pid: int) -> bool:
+    """True if a process with this pid exists (a zombie counts as dead)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            # Field 3, after the parenthesised command name, is the state; Z is a zombie.
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
+
+
+def same_host(other_boot_id: str, other_pidns: int) -> bool:
+    """True when a peer reporting these values shares our kernel and pid namespace."""
+    return bool(other_boot_id) and other_boot_id == boot_id() and other_pidns == pid_namespace()

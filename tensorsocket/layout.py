@@ -1,0 +1,293 @@
+"""Flatten a batch into a tree spec plus aligned leaf specs, and rebuild it from views; pure.
+
+A batch is any nesting of tuple / list / dict whose leaves are torch tensors, NumPy arrays,
+NumPy scalars or plain values (None, bool, int, float, str, bytes). Tensor and array bytes
+go into one arena, each leaf at a 256-byte aligned offset (vector loads, CUDA alignment,
+identical numerics); plain values travel inside the tree itself. The tree is plain lists
+and scalars so it encodes with msgpack, and :func:`check` bounds-checks a received layout
+before any view is made from it: a hostile layout raises ProtocolError, never segfaults.
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import ProtocolError
+
+ALIGN = 256
+MAX_DEPTH = 64
+MAX_LEAVES = 1 << 16
+_FINGERPRINT_SAMPLES = 1024
+
+# Tree node tags. Nodes are [tag, payload] lists so msgpack carries them as they are.
+TUPLE, LIST, DICT, TENSOR, ARRAY, NPSCALAR, VALUE = "T", "L", "D", "t", "a", "s", "v"
+
+
+def _shareable_torch_dtypes() -> dict[str, torch.dtype]:
+    """Every torch dtype with a fixed byte size that is not quantized, by wire name."""
+    table = {}
+    for d in {d for d in vars(torch).values() if isinstance(d, torch.dtype)}:
+        name = str(d).removeprefix("torch.")
+        # Quantized dtypes carry scales outside their bytes; int1..int7 / uint1..uint7 are
+        # sub-byte placeholders whose itemsize does not describe their storage.
+        if name.startswith(("qint", "quint")) or re.fullmatch(r"u?int[1-7]", name):
+            continue
+        table[name] = d
+    return table
+
+
+#: torch dtypes by name; names are what travels on the wire.
+TORCH_DTYPES: dict[str, torch.dtype] = _shareable_torch_dtypes()
+_NUMPY_KINDS = "biufc"  # bool, signed, unsigned, float, complex: fixed-size numbers only
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """Where one leaf's bytes live in the arena and how to read them back."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    def encode(self) -> list[Any]:
+        return [self.dtype, list(self.shape), self.offset, self.nbytes]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A flattened batch: the tree, where each leaf goes, the sources, and the bytes needed."""
+
+    tree: Any
+    leaves: tuple[Leaf, ...]
+    sources: tuple[torch.Tensor | np.ndarray, ...]
+    nbytes: int
+
+    def encode(self) -> list[Any]:
+        """The layout as it travels: [tree, [leaf, ...], nbytes]."""
+        return [self.tree, [leaf.encode() for leaf in self.leaves], self.nbytes]
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def plan(batch: Any) -> Plan:
+    """Flatten ``batch``; raise TypeError naming the path of any leaf we cannot share."""
+    leaves: list[Leaf] = []
+    sources: list[torch.Tensor | np.ndarray] = []
+    offset = 0
+
+    def add(dtype: str, shape: tuple[int, ...], nbytes: int, source: Any) -> int:
+        nonlocal offset
+        leaves.append(Leaf(dtype, shape, offset, nbytes))
+        sources.append(source)
+        offset = _align(offset + nbytes)
+        return len(leaves) - 1
+
+    def walk(node: Any, path: str, depth: int) -> Any:
+        if depth > MAX_DEPTH:
+            raise TypeError(f"batch nests deeper than {MAX_DEPTH} levels at {path}")
+        if isinstance(node, torch.Tensor):
+            if node.layout is not torch.strided or node.is_quantized or node.is_meta:
+                raise TypeError(
+                    f"batch leaf {path} is a {node.layout}, quantized or meta tensor; "
+                    "only dense tensors can be shared"
+                )
+            t = node.detach().resolve_conj().resolve_neg().contiguous()
+            name = str(t.dtype).removeprefix("torch.")
+            if name not in TORCH_DTYPES:
+                raise TypeError(f"batch leaf {path} has dtype {t.dtype}, which cannot be shared")
+            return [TENSOR, add(name, tuple(t.shape), t.numel() * t.element_size(), t)]
+        if isinstance(node, (np.ndarray, np.generic)) and not isinstance(node, (np.str_, np.bytes_)):
+            a = np.asarray(node)
+            a = a if a.flags.c_contiguous else a.copy(order="C")  # keeps 0-d as 0-d
+            if a.dtype.kind not in _NUMPY_KINDS:
+                raise TypeError(
+                    f"batch leaf {path} is a NumPy array of dtype {a.dtype}; only numeric "
+                    "and bool arrays can be shared"
+                )
+            tag = ARRAY if isinstance(node, np.ndarray) else NPSCALAR
+            return [tag, add(a.dtype.str, tuple(a.shape), a.nbytes, a)]
+        if node is None or isinstance(node, (bool, int, float, str, bytes)):
+            if isinstance(node, int) and not -(2**63) <= node < 2**64:
+                raise TypeError(f"batch leaf {path} is an int too large for 64 bits")
+            return [VALUE, str(node) if isinstance(node, np.str_) else node]
+        if isinstance(node, dict):
+            items = []
+            for key, child in node.items():
+                if not isinstance(key, (str, int)) or isinstance(key, bool) or (
+                    isinstance(key, int) and not -(2**63) <= key < 2**64
+                ):
+                    raise TypeError(
+                        f"batch dict at {path} has key {key!r}; only str and int keys are supported"
+                    )
+                items.append([key, walk(child, f"{path}[{key!r}]", depth + 1)])
+            return [DICT, items]
+        if isinstance(node, (tuple, list)):
+            tag = LIST if isinstance(node, list) else TUPLE
+            return [tag, [walk(c, f"{path}[{i}]", depth + 1) for i, c in enumerate(node)]]
+        raise TypeError(
+            f"batch leaf {path} is a {type(node).__name__}; leaves must be tensors, NumPy "
+            "arrays or None / bool / int / float / str / bytes"
+        )
+
+    tree = walk(batch, "batch", 0)
+    if len(leaves) > MAX_LEAVES:
+        raise TypeError(f"batch has {len(leaves)} tensor leaves; at most {MAX_LEAVES} are supported")
+    return Plan(tree, tuple(leaves), tuple(sources), offset)
+
+
+def write(p: Plan, arena: torch.Tensor) -> None:
+    """Copy every leaf of ``p`` into ``arena`` (a flat uint8 tensor at least p.nbytes long)."""
+    for leaf, src in zip(p.leaves, p.sources):
+        if leaf.nbytes == 0:
+            continue
+        dst = arena[leaf.offset : leaf.offset + leaf.nbytes]
+        if isinstance(src, np.ndarray):
+            dst.numpy()[:] = src.reshape(-1).view(np.uint8)
+        else:
+            dst.copy_(src.reshape(-1).view(torch.uint8))
+
+
+def fingerprint(region: np.ndarray) -> int:
+    """A cheap sampled checksum of a batch's bytes (at most ~1 KiB read), same on both sides.
+
+    Catches in-place ops that touch a whole tensor (normalisation, scaling); by design it
+    can miss a write to a few elements. The stride is odd so samples cover every byte lane.
+    """
+    n = region.shape[0]
+    stride = max(1, n // _FINGERPRINT_SAMPLES) | 1
+    return zlib.crc32(region[::stride].tobytes()) ^ (n % (1 << 32)) << 32
+
+
+def _itemsize(name: Any, numpy_leaf: bool) -> int:
+    if numpy_leaf:
+        try:
+            dt = np.dtype(name)
+        except Exception:
+            raise ProtocolError(f"layout names an unknown NumPy dtype {name!r:.40}") from None
+        if dt.kind not in _NUMPY_KINDS:
+            raise ProtocolError(f"layout names NumPy dtype {dt} which is not numeric")
+        return dt.itemsize
+    dt = TORCH_DTYPES.get(name) if isinstance(name, str) else None
+    if dt is None:
+        raise ProtocolError(f"layout names an unknown torch dtype {name!r:.40}")
+    return dt.itemsize
+
+
+def check(layout: Any, arena_size: int) -> tuple[Any, list[Leaf]]:
+    """Validate a received layout against the arena it points into; return (tree, leaves)."""
+    if not (isinstance(layout, list) and len(layout) == 3):
+        raise ProtocolError("layout is not [tree, leaves, nbytes]")
+    tree, raw_leaves, nbytes = layout
+    if not isinstance(raw_leaves, list) or len(raw_leaves) > MAX_LEAVES:
+        raise ProtocolError("layout leaves are not a list of bounded length")
+    if type(nbytes) is not int or not 0 <= nbytes <= arena_size:
+        raise ProtocolError(f"layout needs {nbytes!r:.20} bytes but the arena has {arena_size}")
+    kinds: dict[int, str] = {}
+    _check_tree(tree, len(raw_leaves), kinds, 0)
+    leaves = []
+    for i, raw in enumerate(raw_leaves):
+        if not (isinstance(raw, list) and len(raw) == 4):
+            raise ProtocolError(f"layout leaf {i} is not [dtype, shape, offset, nbytes]")
+        name, shape, offset, size = raw
+        itemsize = _itemsize(name, kinds.get(i, TENSOR) != TENSOR)
+        if not (
+            isinstance(shape, list)
+            and len(shape) <= 64
+            and all(type(d) is int and 0 <= d < 2**48 for d in shape)
+        ):
+            raise ProtocolError(f"layout leaf {i} has a bad shape {shape!r:.80}")
+        if type(offset) is not int or type(size) is not int or offset < 0 or offset % ALIGN:
+            raise ProtocolError(f"layout leaf {i} has a bad offset {offset!r:.20}")
+        numel = span = 1
+        for d in shape:
+            numel *= d
+            span *= max(d, 1)  # torch / NumPy size and stride arithmetic skips no zero dims
+        if span * itemsize > 2**62:
+            raise ProtocolError(f"layout leaf {i} has a huge shape {shape!r:.80}")
+        if numel * itemsize != size or offset + size > nbytes:
+            raise ProtocolError(
+                f"layout leaf {i} ({size!r:.20} bytes at {offset}) does not fit its shape or the arena"
+            )
+        leaves.append(Leaf(name, tuple(shape), offset, size))
+    return tree, leaves
+
+
+def _check_tree(node: Any, n_leaves: int, kinds: dict[int, str], depth: int) -> None:
+    if depth > MAX_DEPTH:
+        raise ProtocolError(f"layout tree nests deeper than {MAX_DEPTH}")
+    if not (isinstance(node, list) and len(node) == 2):
+        raise ProtocolError("layout tree node is not [tag, payload]")
+    tag, payload = node
+    if tag in (TENSOR, ARRAY, NPSCALAR):
+        if type(payload) is not int or not 0 <= payload < n_leaves:
+            raise ProtocolError(f"layout tree points at leaf {payload!r:.20} of {n_leaves}")
+        if kinds.setdefault(payload, tag) != tag:
+            raise ProtocolError(f"layout tree reads leaf {payload} as both {kinds[payload]} and {tag}")
+    elif tag in (TUPLE, LIST):
+        if not isinstance(payload, list):
+            raise ProtocolError("layout sequence node has no child list")
+        for child in payload:
+            _check_tree(child, n_leaves, kinds, depth + 1)
+    elif tag == DICT:
+        if not isinstance(payload, list):
+            raise ProtocolError("layout dict node has no item list")
+        for item in payload:
+            if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], (str, int))):
+                raise ProtocolError("layout dict item is not [key, node]")
+            _check_tree(item[1], n_leaves, kinds, depth + 1)
+    elif tag == VALUE:
+        if payload is not None and not isinstance(payload, (bool, int, float, str, bytes)):
+            raise ProtocolError(f"layout value of type {type(payload).__name__}")
+    else:
+        raise ProtocolError(f"layout tree has unknown tag {tag!r:.20}")
+
+
+def build(tree: Any, leaves: list[Leaf], region: np.ndarray, copy: bool = False) -> Any:
+    """Rebuild the batch from a checked layout as views of ``region`` (a uint8 array).
+
+    Every view keeps ``region`` alive, so a finalizer on ``region`` fires exactly when the
+    last tensor or array derived from this batch dies. ``copy=True`` returns private copies
+    and keeps no reference to ``region``. NumPy leaves are marked read-only.
+    """
+    base = torch.frombuffer(region, dtype=torch.uint8) if region.shape[0] else None
+
+    def leaf_value(tag: str, leaf: Leaf) -> Any:
+        if tag == TENSOR:
+            dtype = TORCH_DTYPES[leaf.dtype]
+            if leaf.nbytes == 0 or base is None:
+                return torch.empty(leaf.shape, dtype=dtype)
+            t = base[leaf.offset : leaf.offset + leaf.nbytes].view(dtype).view(leaf.shape)
+            return t.clone() if copy else t
+        raw = region[leaf.offset : leaf.offset + leaf.nbytes]
+        a = raw.view(np.dtype(leaf.dtype)).reshape(leaf.shape)
+        if copy:
+            a = a.copy()
+        else:
+            a.flags.writeable = False
+        return a[()] if tag == NPSCALAR else a
+
+    def walk(node: list[Any]) -> Any:
+        tag, payload = node
+        if tag == VALUE:
+            return payload
+        if tag == TUPLE:
+            return tuple(walk(c) for c in payload)
+        if tag == LIST:
+            return [walk(c) for c in payload]
+        if tag == DICT:
+            return {k: walk(c) for k, c in payload}
+        return leaf_value(tag, leaves[payload])
+
+    try:
+        return walk(tree)
+    finally:
+        del walk  # walk reaches itself through its closure; break that cycle so region frees on time

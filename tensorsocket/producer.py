@@ -1,0 +1,506 @@
+"""The producer: pulls batches from a loader, writes each into a shared slot once, and
+announces it to every consumer over a ZeroMQ ROUTER socket.
+
+Two threads. The caller's thread (``serve`` or a ``for batch in producer`` loop) pulls from
+the loader, waits for a free slot, writes the batch and publishes it. A background I/O
+thread owns the socket: it validates and applies incoming messages, evicts dead or silent
+consumers and sends heartbeats, so control traffic is served while the loader is busy.
+Both threads change the :class:`~tensorsocket.flow.Flow` only under one lock, and every
+outgoing frame goes through one FIFO outbox drained by the I/O thread, so messages leave in
+exactly the order the flow decided them.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Hashable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from . import endpoint as endpoints
+from . import layout, protocol
+from .errors import ProtocolError, TensorSocketError
+from .flow import Deliver, Flow
+from .host import boot_id, pid_alive, pid_namespace, same_host
+from .protocol import Kind
+from .transport import SlotPool, sweep_stale
+from .wakeup import Wakeup
+
+log = logging.getLogger("tensorsocket")
+
+_TICK = 0.05  # seconds between liveness checks in the I/O loop
+_MAX_HEARTBEAT = 1.0
+
+
+@dataclass
+class _Peer:
+    """What the I/O thread knows of a joined consumer besides its flow state."""
+
+    label: str
+    pid: int
+    timeout: float
+    local: bool  # same host and pid namespace: its pid can be watched
+    joined: float
+    last_seen: float
+    last_sent: float = 0.0
+
+    def describe(self) -> str:
+        return f"consumer {self.label!r} (pid {self.pid})"
+
+
+class Producer:
+    """Share every batch of ``loader`` with the consumers that connect to ``name``.
+
+    ``loader`` is any re-iterable of batches (a DataLoader, a list) or a function returning
+    an iterable (a generator function), called once per epoch. ``slots`` batches at most live in shared memory
+    at once, so the producer runs at most ``slots`` batches ahead of the slowest consumer.
+    Nothing is pulled from the loader until ``min_consumers`` consumers have joined, nor
+    while no consumer is connected. See the README for the whole contract.
+    """
+
+    def __init__(
+        self,
+        loader: Iterable[Any] | Callable[[], Iterable[Any]],
+        name: str | None = None,
+        *,
+        endpoint: str | None = None,
+        device: str = "cpu",
+        slots: int = 8,
+        min_consumers: int = 1,
+        linger: float = 10.0,
+    ) -> None:
+        if isinstance(loader, Iterator):
+            raise TypeError(
+                f"loader is a one-shot iterator ({type(loader).__name__}); pass something that "
+                "can be read once per epoch: a DataLoader, a list, or the generator function "
+                "itself (it is called once per epoch)"
+            )
+        if not isinstance(loader, Iterable) and not callable(loader):
+            raise TypeError(
+                f"loader must be an iterable of batches or a function returning one, got "
+                f"{type(loader).__name__}"
+            )
+        if type(slots) is not int or slots < 1:
+            raise ValueError(f"slots must be a positive int, got {slots!r}")
+        if type(min_consumers) is not int or min_consumers < 1:
+            raise ValueError(f"min_consumers must be an int >= 1, got {min_consumers!r}")
+        if not isinstance(linger, (int, float)) or linger < 0:
+            raise ValueError(f"linger must be a number of seconds >= 0, got {linger!r}")
+        if device != "cpu":
+            raise ValueError(
+                f"device={device!r}: this version shares batches through host shared memory "
+                "only; use device='cpu' (consumers can still move batches to their GPU)"
+            )
+        self.loader = loader
+        self.endpoint = endpoints.resolve(name, endpoint)
+        self.slots = slots
+        self.min_consumers = min_consumers
+        self.linger = float(linger)
+        try:
+            self.batches_per_epoch: int | None = len(loader)  # type: ignore[arg-type]
+        except TypeError:
+            self.batches_per_epoch = None
+
+        self._lock_file = endpoints.lock(self.endpoint)
+        sweep_stale()
+        self._pool = SlotPool(slots)
+        self._flow = Flow(slots)
+        self._peers: dict[Hashable, _Peer] = {}
+        self._outbox: collections.deque[tuple[Hashable, bytes]] = collections.deque()
+        self._changed = threading.Condition()  # guards flow, peers, pool, outbox
+        self._wakeup = Wakeup()
+        self._stop = threading.Event()
+        self._closed = False
+        self._started = False  # the first batch was pulled
+        self._epoch_open = False
+        self._index = 0
+        self._loader_iter: Iterator[Any] | None = None
+        self._stats = {"published": 0, "loader_wait": 0.0, "publish_time": 0.0, "bad_messages": 0}
+
+        self._ctx = zmq.Context.instance()
+        self._socket = self._ctx.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 500)
+        self._socket.setsockopt(zmq.SNDHWM, 0)  # never drop: credits bound what is queued
+        self._socket.setsockopt(zmq.RCVHWM, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_REQUEST_BYTES)
+        try:
+            if self.endpoint.startswith("tcp://") and self.endpoint.endswith(":*"):
+                port = self._socket.bind_to_random_port(self.endpoint[: -len(":*")])
+                self.endpoint = f"{self.endpoint[:-2]}:{port}"
+            else:
+                self._socket.bind(self.endpoint)
+        except zmq.ZMQError as exc:
+            self._socket.close(0)
+            self._release_lock()
+            raise RuntimeError(f"cannot bind {self.endpoint}: {exc}") from None
+        self._io = threading.Thread(target=self._io_loop, name="tensorsocket-producer-io", daemon=True)
+        self._io.start()
+        log.info("producer serving %s with %d slots", self.endpoint, slots)
+
+    # ------------------------------------------------------------------ public API
+
+    def __len__(self) -> int:
+        if self.batches_per_epoch is None:
+            raise TypeError("the loader has no len()")
+        return self.batches_per_epoch
+
+    def __iter__(self) -> _EpochPublisher:
+        """Start an epoch: yields the loader's batches after publishing each one."""
+        self._check_open()
+        if self._epoch_open:  # the previous epoch's loop was left early: end it where it is
+            self._end_epoch()
+        source = self.loader if isinstance(self.loader, Iterable) else self.loader()
+        self._loader_iter = iter(source)
+        self._epoch_open = True
+        self._index = 0
+        return _EpochPublisher(self)
+
+    def serve(self, epochs: int | None = 1) -> None:
+        """Publish ``epochs`` epochs (None: forever), end the stream, wait for every consumer
+        to be sent everything or to leave, then close. Ctrl-C ends the stream early."""
+        if epochs is not None and (type(epochs) is not int or epochs < 0):
+            raise ValueError(f"epochs must be a non-negative int or None, got {epochs!r}")
+        try:
+            done = 0
+            while epochs is None or done < epochs:
+                for _ in self:
+                    pass
+                done += 1
+            self._end_stream(None)
+            self._wait(self._flow.finished, None, "consumers to finish")
+        except BaseException as exc:
+            self.close(reason=f"producer stopped: {type(exc).__name__}: {exc}")
+            raise
+        self.close()
+
+    def close(self, reason: str | None = None) -> None:
+        """End the stream (consumers get a clean end, or ``reason``), wait up to ``linger``
+        seconds for them to be sent it, then stop and unlink the shared memory. Idempotent."""
+        if self._closed:
+            return
+        try:
+            if not self._flow.ended:
+                if self._epoch_open and reason is None:
+                    self._end_epoch()
+                self._end_stream(reason)
+            deadline = time.monotonic() + self.linger
+            self._wait(self._flow.finished, deadline, "consumers to finish")
+        except (TensorSocketError, RuntimeError):
+            pass
+        finally:
+            self._closed = True
+            self._stop.set()
+            self._wakeup.wake()
+            self._io.join(timeout=5.0)
+            with self._changed:
+                self._pool.close()
+            self._wakeup.close()
+            self._release_lock()
+            log.info("producer on %s closed", self.endpoint)
+
+    def join(self) -> None:
+        """Alias of :meth:`close` for code written against the upstream TensorProducer."""
+        self.close()
+
+    def __enter__(self) -> Producer:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.close(reason=None if exc is None else f"producer stopped: {exc_type.__name__}: {exc}")
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            import warnings
+
+            warnings.warn(f"Producer on {self.endpoint} was not closed", ResourceWarning, stacklevel=1)
+
+    def status(self) -> dict[str, Any]:
+        """A snapshot of consumers, slots and timings (also answered to STATUS messages)."""
+        with self._changed:
+            return self._status_locked()
+
+    # ------------------------------------------------------------------ caller's thread
+
+    def _next_batch(self) -> Any:
+        self._check_open()
+        need = self.min_consumers if not self._started else 1
+        self._wait(lambda: len(self._peers) >= need, None, f"{need} consumer(s) to join")
+        t0 = time.perf_counter()
+        assert self._loader_iter is not None
+        try:
+            batch = next(self._loader_iter)
+        except StopIteration:
+            self._end_epoch()
+            raise
+        self._started = True
+        t1 = time.perf_counter()
+        plan = layout.plan(batch)
+        slot_box: list[int] = []
+
+        def reserved() -> bool:
+            slot = self._flow.reserve()
+            if slot is not None:
+                slot_box.append(slot)
+            return slot is not None
+
+        self._wait(reserved, None, "a free slot")
+        slot = slot_box[0]
+        try:
+            with self._changed:
+                info = self._pool.prepare(slot, plan.nbytes)
+                if info is not None:
+                    frame = protocol.encode(Kind.ARENA, arena=info.encode())
+                    self._outbox.extend((cid, frame) for cid in self._peers)
+            fingerprint = self._pool.write(slot, plan)
+        except BaseException:
+            with self._changed:
+                self._flow.cancel(slot)
+            raise
+        with self._changed:
+            frame = protocol.encode(
+                Kind.BATCH,
+                seq=self._flow.next_seq,
+                epoch=self._flow.epoch,
+                index=self._index,
+                slot=slot,
+                layout=plan.encode(),
+                fingerprint=fingerprint,
+            )
+            self._send_all(self._flow.publish(slot, frame))
+            self._index += 1
+            self._stats["published"] += 1
+            self._stats["loader_wait"] += t1 - t0
+            self._stats["publish_time"] += time.perf_counter() - t1
+        self._wakeup.wake()
+        return batch
+
+    def _end_epoch(self) -> None:
+        with self._changed:
+            self._epoch_open = False
+            frame = protocol.encode(Kind.EPOCH_END, seq=self._flow.next_seq, epoch=self._flow.epoch)
+            self._send_all(self._flow.end_epoch(frame))
+        self._wakeup.wake()
+
+    def _end_stream(self, reason: str | None) -> None:
+        with self._changed:
+            if self._flow.ended:
+                return
+            frame = protocol.encode(Kind.END, seq=self._flow.next_seq, reason=reason)
+            self._send_all(self._flow.end_stream(frame))
+        self._wakeup.wake()
+
+    def _wait(self, predicate: Any, deadline: float | None, what: str) -> None:
+        """Wait under the lock until ``predicate()``; re-check every tick so close() and a
+        dead I/O thread are noticed. Raises TimeoutError at ``deadline``."""
+        with self._changed:
+            while not predicate():
+                if self._stop.is_set() or not self._io.is_alive():
+                    raise TensorSocketError(f"producer on {self.endpoint} stopped while waiting for {what}")
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"gave up waiting for {what}")
+                self._changed.wait(_TICK)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TensorSocketError(f"producer on {self.endpoint} is closed")
+
+    def _release_lock(self) -> None:
+        if self._lock_file is not None:
+            self._lock_file.close()
+            self._lock_file = None
+
+    # ------------------------------------------------------------------ I/O thread
+
+    def _send_all(self, deliveries: list[Deliver]) -> None:
+        """Queue deliveries (caller holds the lock)."""
+        self._outbox.extend((d.consumer, d.entry.payload) for d in deliveries)
+
+    def _io_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._wakeup.fd, zmq.POLLIN)
+        next_tick = 0.0
+        try:
+            while not self._stop.is_set():
+                events = dict(poller.poll(int(_TICK * 1000)))
+                if self._wakeup.fd in events:
+                    self._wakeup.drain()
+                if self._socket in events:
+                    self._receive()
+                now = time.monotonic()
+                if now >= next_tick:
+                    self._check_peers(now)
+                    next_tick = now + _TICK
+                self._flush(now)
+            self._flush(time.monotonic())
+        except Exception:
+            log.exception("producer I/O thread on %s failed", self.endpoint)
+        finally:
+            self._socket.close()
+            with self._changed:
+                self._changed.notify_all()
+
+    def _flush(self, now: float) -> None:
+        with self._changed:
+            frames = list(self._outbox)
+            self._outbox.clear()
+            for cid, _ in frames:
+                peer = self._peers.get(cid)
+                if peer is not None:
+                    peer.last_sent = now
+        for cid, frame in frames:
+            try:
+                self._socket.send_multipart([cid, frame], zmq.NOBLOCK)  # type: ignore[list-item]
+            except zmq.Again:
+                log.warning("dropped a message to %r: its queue is full", cid)
+
+    def _receive(self) -> None:
+        for _ in range(1000):  # bounded, so ticks still run under a flood
+            try:
+                frames = self._socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 2:
+                self._bad(frames[0], f"expected 1 frame after the routing id, got {len(frames) - 1}")
+                continue
+            cid, frame = frames
+            try:
+                kind, msg = protocol.decode(frame)
+                with self._changed:
+                    self._handle(cid, kind, msg)
+                    self._changed.notify_all()
+            except ProtocolError as exc:
+                self._bad(cid, str(exc))
+
+    def _bad(self, cid: bytes, reason: str) -> None:
+        self._stats["bad_messages"] += 1
+        if self._stats["bad_messages"] <= 20 or self._stats["bad_messages"] % 1000 == 0:
+            log.warning("bad message from %r: %s (%d so far)", cid, reason, self._stats["bad_messages"])
+        with self._changed:
+            self._outbox.append((cid, protocol.encode(Kind.ERROR, reason=reason[:4000])))
+
+    def _handle(self, cid: bytes, kind: Kind, msg: dict[str, Any]) -> None:
+        """Apply one valid message (lock held)."""
+        now = time.monotonic()
+        peer = self._peers.get(cid)
+        if peer is not None:
+            peer.last_seen = now
+        if kind is Kind.HELLO:
+            self._hello(cid, msg, now)
+        elif kind is Kind.STATUS:
+            self._outbox.append((cid, protocol.encode(Kind.STATUS, status=self._status_locked())))
+        elif peer is None:
+            if kind is not Kind.BYE:
+                reason = "unknown consumer: it was evicted or never joined"
+                self._outbox.append((cid, protocol.encode(Kind.EVICTED, reason=reason)))
+        elif kind is Kind.RELEASE:
+            self._send_all(self._flow.release(cid, msg["seqs"]))
+        elif kind is Kind.BYE:
+            self._drop(cid, "left")
+        elif kind is Kind.MODIFIED:
+            log.error(
+                "%s reports batch %d (epoch %d, index %d) changed in shared memory while it held it: "
+                "an in-place op on a shared batch corrupts every consumer's data; use copy=True "
+                "or out-of-place ops",
+                peer.describe(), msg["seq"], msg["epoch"], msg["index"],
+            )
+        elif kind is not Kind.HEARTBEAT:
+            raise ProtocolError(f"a consumer may not send {kind.value} messages")
+
+    def _hello(self, cid: bytes, msg: dict[str, Any], now: float) -> None:
+        if msg["version"] != protocol.VERSION:
+            raise ProtocolError(
+                f"consumer speaks protocol {msg['version']}, this producer speaks {protocol.VERSION}: "
+                "install the same tensorsocket version on both sides"
+            )
+        if cid in self._peers:
+            raise ProtocolError("HELLO from a consumer that already joined")
+        local = same_host(msg["boot_id"], msg["pidns"])
+        if not local and msg["boot_id"] != boot_id():
+            raise ProtocolError(
+                "consumer runs on another host; host shared memory needs consumers on the producer's machine"
+            )
+        peer = _Peer(msg["label"], msg["pid"], float(msg["timeout"]), local, now, now)
+        self._peers[cid] = peer
+        welcome = protocol.encode(
+            Kind.WELCOME,
+            pid=os.getpid(),
+            boot_id=boot_id(),
+            pidns=pid_namespace(),
+            batches=self.batches_per_epoch,
+            slots=self.slots,
+            arenas=[info.encode() for info in self._pool.arenas()],
+            heartbeat=self._heartbeat_interval(peer),
+        )
+        self._outbox.append((cid, welcome))
+        self._send_all(self._flow.join(cid, min(msg["prefetch"], 1 << 16)))
+        log.info("%s joined (%d connected)", peer.describe(), len(self._peers))
+
+    def _drop(self, cid: Hashable, why: str) -> None:
+        peer = self._peers.pop(cid, None)
+        self._flow.leave(cid)
+        if peer is not None:
+            log.info("%s %s (%d connected)", peer.describe(), why, len(self._peers))
+
+    @staticmethod
+    def _heartbeat_interval(peer: _Peer) -> float:
+        return min(_MAX_HEARTBEAT, peer.timeout / 4)
+
+    def _check_peers(self, now: float) -> None:
+        with self._changed:
+            for cid, peer in list(self._peers.items()):
+                if peer.local and not pid_alive(peer.pid):
+                    self._drop(cid, "died; evicted")
+                elif now - peer.last_seen > peer.timeout:
+                    self._drop(cid, f"was silent for {now - peer.last_seen:.1f} s; evicted")
+                    reason = f"evicted after {peer.timeout:g} s without a message"
+                    self._outbox.append((cid, protocol.encode(Kind.EVICTED, reason=reason)))
+                elif now - peer.last_sent > self._heartbeat_interval(peer):
+                    self._outbox.append((cid, protocol.encode(Kind.HEARTBEAT)))
+            self._changed.notify_all()
+
+    def _status_locked(self) -> dict[str, Any]:
+        now = time.monotonic()
+        consumers = []
+        for cid, peer in self._peers.items():
+            state = self._flow.consumers[cid]
+            consumers.append(
+                {
+                    "label": peer.label,
+                    "pid": peer.pid,
+                    "joined_s_ago": round(now - peer.joined, 3),
+                    "cursor": state.cursor,
+                    "held": len(state.held),
+                    "received": state.received,
+                }
+            )
+        return {
+            "endpoint": self.endpoint,
+            "pid": os.getpid(),
+            "slots": self.slots,
+            "slot_bytes": self._pool.bytes,
+            "epoch": self._flow.epoch,
+            "next_seq": self._flow.next_seq,
+            "ended": self._flow.ended,
+            "consumers": consumers,
+            **{k: round(v, 6) if isinstance(v, float) else v for k, v in self._stats.items()},
+        }
+
+
+class _EpochPublisher:
+    """One epoch of ``for batch in producer``; a class so no generator frame pins a batch."""
+
+    def __init__(self, producer: Producer) -> None:
+        self._producer = producer
+
+    def __iter__(self) -> _EpochPublisher:
+        return self
+
+    def __next__(self) -> Any:
+        return self._producer._next_batch()

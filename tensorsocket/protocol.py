@@ -1,0 +1,164 @@
+"""Wire messages: their kinds, msgpack encoding and strict validation. No pickle anywhere.
+
+Every message is one ZeroMQ frame holding a msgpack map ``{"k": kind, ...fields}``. Decoding
+checks the kind, every field's type and range and the total size, so a malformed or hostile
+frame raises :class:`ProtocolError` and can never reach the state machine. The handshake
+(HELLO) carries :data:`VERSION`; a peer speaking another version is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from enum import Enum
+from typing import Any
+
+import msgpack
+
+from .errors import ProtocolError
+
+VERSION = 1
+#: Largest frame a consumer may send; the producer also sets ZMQ_MAXMSGSIZE to this.
+MAX_REQUEST_BYTES = 64 * 1024
+#: Largest frame a producer may send (a BATCH whose layout has very many leaves).
+MAX_REPLY_BYTES = 16 * 1024 * 1024
+_MAX_INT = 2**63 - 1
+
+
+class Kind(str, Enum):
+    """Message kinds. Consumer to producer: HELLO, RELEASE, HEARTBEAT, BYE, MODIFIED, STATUS.
+    Producer to consumer: WELCOME, ARENA, BATCH, EPOCH_END, END, HEARTBEAT, EVICTED, ERROR,
+    STATUS. END carries a reason when the producer stopped on an error."""
+
+    HELLO = "hello"
+    WELCOME = "welcome"
+    ARENA = "arena"
+    BATCH = "batch"
+    EPOCH_END = "epoch_end"
+    END = "end"
+    RELEASE = "release"
+    HEARTBEAT = "heartbeat"
+    BYE = "bye"
+    MODIFIED = "modified"
+    STATUS = "status"
+    EVICTED = "evicted"
+    ERROR = "error"
+
+
+def _int(lo: int = 0, hi: int = _MAX_INT) -> Callable[[Any], bool]:
+    return lambda v: type(v) is int and lo <= v <= hi
+
+
+def _num(lo: float = 0.0, hi: float = 1e9) -> Callable[[Any], bool]:
+    return lambda v: type(v) in (int, float) and lo <= v <= hi
+
+
+def _str(max_len: int = 256) -> Callable[[Any], bool]:
+    return lambda v: type(v) is str and len(v) <= max_len
+
+
+def _opt(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: v is None or check(v)
+
+
+def _ints(max_len: int) -> Callable[[Any], bool]:
+    one = _int()
+    return lambda v: type(v) is list and len(v) <= max_len and all(one(x) for x in v)
+
+
+def _any(v: Any) -> bool:
+    return True
+
+
+def _arena(v: Any) -> bool:
+    return (
+        type(v) is list
+        and len(v) == 3
+        and _int(0, 1 << 16)(v[0])
+        and _str(255)(v[1])
+        and _int(0, 1 << 48)(v[2])
+    )
+
+
+# Required fields per kind and the check each value must pass. Layout trees and status
+# payloads are checked by their own readers (layout.unpack bounds-checks every leaf).
+SCHEMA: dict[Kind, dict[str, Callable[[Any], bool]]] = {
+    Kind.HELLO: {
+        "version": _int(),
+        "pid": _int(0, 1 << 31),
+        "boot_id": _str(64),
+        "pidns": _int(),
+        "label": _str(128),
+        "prefetch": _int(1, 1 << 16),
+        "timeout": _num(0.05, 86400.0),
+    },
+    Kind.WELCOME: {
+        "pid": _int(0, 1 << 31),
+        "boot_id": _str(64),
+        "pidns": _int(),
+        "batches": _opt(_int()),
+        "slots": _int(1, 1 << 16),
+        "arenas": lambda v: type(v) is list and len(v) <= 1 << 16 and all(map(_arena, v)),
+        "heartbeat": _num(0.001, 3600.0),
+    },
+    Kind.ARENA: {"arena": _arena},
+    Kind.BATCH: {
+        "seq": _int(),
+        "epoch": _int(),
+        "index": _int(),
+        "slot": _int(0, 1 << 16),
+        "layout": _any,
+        "fingerprint": _opt(_int(0, 2**64 - 1)),
+    },
+    Kind.EPOCH_END: {"seq": _int(), "epoch": _int()},
+    Kind.END: {"seq": _int(), "reason": _opt(_str(4096))},
+    Kind.RELEASE: {"seqs": _ints(4096)},
+    Kind.HEARTBEAT: {},
+    Kind.BYE: {},
+    Kind.MODIFIED: {"seq": _int(), "epoch": _int(), "index": _int()},
+    Kind.STATUS: {"status": _opt(lambda v: type(v) is dict)},
+    Kind.EVICTED: {"reason": _str(4096)},
+    Kind.ERROR: {"reason": _str(4096)},
+}
+
+
+def encode(kind: Kind, **fields: Any) -> bytes:
+    """Encode one message. Fields are not validated here: the sender is our own code."""
+    fields["k"] = kind.value
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+def decode(frame: bytes, max_bytes: int = MAX_REQUEST_BYTES) -> tuple[Kind, dict[str, Any]]:
+    """Decode and validate one frame; raise ProtocolError naming what was wrong."""
+    if len(frame) > max_bytes:
+        raise ProtocolError(f"message of {len(frame)} bytes exceeds the {max_bytes}-byte limit")
+    n = len(frame)  # no string, container or ext in a frame can be longer than the frame
+    try:
+        msg = msgpack.unpackb(
+            frame,
+            raw=False,
+            strict_map_key=True,
+            max_str_len=n,
+            max_bin_len=n,
+            max_array_len=n,
+            max_map_len=n,
+            max_ext_len=n,
+        )
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise ProtocolError(f"undecodable message ({type(exc).__name__}: {exc})") from None
+    if type(msg) is not dict:
+        raise ProtocolError(f"message is a {type(msg).__name__}, not a map")
+    k = msg.pop("k", None)
+    try:
+        kind = Kind(k)
+    except (ValueError, TypeError):
+        raise ProtocolError(f"unknown message kind {k!r:.40}") from None
+    schema = SCHEMA[kind]
+    for field, check in schema.items():
+        if field not in msg:
+            raise ProtocolError(f"{kind.value} message lacks field {field!r}")
+        if not check(msg[field]):
+            raise ProtocolError(f"{kind.value} message has a bad {field!r}: {msg[field]!r:.80}")
+    extra = set(msg) - set(schema)
+    if extra:
+        raise ProtocolError(f"{kind.value} message has unknown fields {sorted(map(str, extra))}")
+    return kind, msg

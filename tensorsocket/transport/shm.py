@@ -1,0 +1,204 @@
+"""Host shared-memory arenas: the producer creates and unlinks them, consumers only map them.
+
+Ownership: a segment is created by exactly one producer process and named
+``tensorsocket-<uid>-<pid>-<token>-<slot>-<generation>`` in /dev/shm. The producer unlinks
+its segments at close; because ``atexit`` does not run on SIGKILL, every producer also
+sweeps, at start, the segments of its own uid whose owner pid is gone. Consumers open a
+segment once per (slot, generation), map it shared, and never unlink it; a mapping stays
+valid after the name is unlinked, so views a user still holds never dangle.
+
+We use files under /dev/shm with ``mmap`` rather than ``multiprocessing.shared_memory``:
+on Python < 3.13 attaching a SharedMemory registers it with the resource tracker, which
+unlinks the producer's segment when a consumer exits (CPython gh-82300).
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import secrets
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .. import layout
+from ..host import pid_alive
+
+log = logging.getLogger("tensorsocket")
+
+SHM_DIR = "/dev/shm"
+PREFIX = "tensorsocket-"
+_PAGE = mmap.PAGESIZE
+
+
+@dataclass(frozen=True)
+class ArenaInfo:
+    """What a consumer needs to open an arena: its slot, segment name and size in bytes."""
+
+    slot: int
+    name: str
+    size: int
+
+    def encode(self) -> list[object]:
+        return [self.slot, self.name, self.size]
+
+
+def _owner_pid(name: str) -> int | None:
+    parts = name[len(PREFIX) :].split("-")
+    if len(parts) != 5 or not parts[0].isdigit() or not parts[1].isdigit():
+        return None
+    return int(parts[1]) if int(parts[0]) == os.getuid() else None
+
+
+def sweep_stale() -> list[str]:
+    """Unlink segments of this uid whose owner process is dead; return their names."""
+    removed = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        if not name.startswith(PREFIX):
+            continue
+        pid = _owner_pid(name)
+        if pid is None or pid_alive(pid):
+            continue
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+            removed.append(name)
+        except FileNotFoundError:
+            pass
+    if removed:
+        log.info("removed %d stale shared-memory segments of dead producers", len(removed))
+    return removed
+
+
+def _map(path: str, size: int, create: bool) -> mmap.mmap:
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if create:
+            os.ftruncate(fd, size)
+        elif os.fstat(fd).st_size < size:
+            raise ValueError(f"shared-memory segment {path} is smaller than announced ({size} bytes)")
+        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+
+
+class _Arena:
+    """One producer-owned segment and a flat uint8 tensor over it."""
+
+    def __init__(self, info: ArenaInfo) -> None:
+        self.info = info
+        self.path = os.path.join(SHM_DIR, info.name)
+        self.mm = _map(self.path, info.size, create=True)
+        self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
+        self.array = np.frombuffer(self.mm, dtype=np.uint8)
+
+    def close(self) -> None:
+        # Drop our own views first; mmap.close() refuses while buffers are exported.
+        self.tensor = self.array = None  # type: ignore[assignment]
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # a caller still holds a view; the mapping goes when it does
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+class SlotPool:
+    """Producer side: K slots, each backed by an arena allocated when first needed.
+
+    A slot's arena grows (a new segment and name, the old one unlinked) when a batch larger
+    than it arrives; :meth:`prepare` returns the new ArenaInfo so the caller can announce it
+    before the batch that uses it.
+    """
+
+    def __init__(self, slots: int) -> None:
+        if not os.path.isdir(SHM_DIR):
+            raise RuntimeError(
+                f"{SHM_DIR} does not exist: the host shared-memory transport needs Linux "
+                "POSIX shared memory"
+            )
+        self.slots = slots
+        self._token = secrets.token_hex(4)
+        self._arenas: dict[int, _Arena] = {}
+        self._generation = 0
+        self.bytes = 0
+
+    def arenas(self) -> list[ArenaInfo]:
+        return [a.info for a in self._arenas.values()]
+
+    def prepare(self, slot: int, nbytes: int) -> ArenaInfo | None:
+        """Make sure ``slot`` holds ``nbytes``; return the new arena's info if one was made."""
+        current = self._arenas.get(slot)
+        if current is not None and current.info.size >= nbytes:
+            return None
+        # Grow with headroom so shapes that creep upwards do not reallocate every batch.
+        size = max(nbytes, int(current.info.size * 1.25) if current else 0, 1)
+        size = (size + _PAGE - 1) // _PAGE * _PAGE
+        self._generation += 1
+        name = f"{PREFIX}{os.getuid()}-{os.getpid()}-{self._token}-{slot}-{self._generation}"
+        arena = _Arena(ArenaInfo(slot, name, size))
+        if current is not None:
+            self.bytes -= current.info.size
+            current.close()
+        self._arenas[slot] = arena
+        self.bytes += size
+        return arena.info
+
+    def write(self, slot: int, plan: layout.Plan) -> int:
+        """Write a planned batch into ``slot`` (already prepared); return its fingerprint."""
+        arena = self._arenas[slot]
+        layout.write(plan, arena.tensor)
+        return layout.fingerprint(arena.array[: plan.nbytes])
+
+    def close(self) -> None:
+        """Unlink every segment; idempotent."""
+        for arena in self._arenas.values():
+            arena.close()
+        self._arenas.clear()
+        self.bytes = 0
+
+
+class ArenaMap:
+    """Consumer side: open each announced arena once and hand out batch regions.
+
+    A region is a fresh uint8 NumPy array over the first ``nbytes`` of a slot's arena; the
+    consumer attaches its release finalizer to it, and every view of the batch keeps it
+    (and through it the mapping) alive.
+    """
+
+    def __init__(self) -> None:
+        self._infos: dict[int, ArenaInfo] = {}
+        self._maps: dict[int, mmap.mmap] = {}
+
+    def announce(self, info: ArenaInfo) -> None:
+        if self._infos.get(info.slot) != info:
+            self._infos[info.slot] = info
+            self._maps.pop(info.slot, None)  # reopened lazily; live views keep the old one
+
+    def size(self, slot: int) -> int:
+        info = self._infos.get(slot)
+        if info is None:
+            raise KeyError(slot)
+        return info.size
+
+    def region(self, slot: int, nbytes: int) -> np.ndarray:
+        info = self._infos[slot]
+        if not 0 <= nbytes <= info.size:
+            raise ValueError(f"region of {nbytes} bytes does not fit arena {info.name} ({info.size})")
+        mm = self._maps.get(slot)
+        if mm is None:
+            mm = self._maps[slot] = _map(os.path.join(SHM_DIR, info.name), info.size, create=False)
+        return np.frombuffer(mm, dtype=np.uint8, count=nbytes)
+
+    def close(self) -> None:
+        """Forget the mappings; live views keep theirs until they die."""
+        self._maps.clear()
+        self._infos.clear()
