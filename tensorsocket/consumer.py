@@ -26,6 +26,7 @@ import uuid
 import weakref
 from typing import Any
 
+import numpy as np
 import torch
 import zmq
 
@@ -89,7 +90,7 @@ class Consumer:
         self._prefetch = prefetch or _UNLIMITED_PREFETCH
 
         self._queue: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._released: collections.deque[tuple[int, int, int, int | None, int, int]] = collections.deque()
+        self._released: collections.deque[tuple[int, Any, int, int | None, int, int]] = collections.deque()
         self._live: set[int] = set()  # seqs built and not yet released
         self._live_lock = threading.Lock()
         self._wakeup = Wakeup()
@@ -115,6 +116,8 @@ class Consumer:
             welcome = self._handshake()
         except BaseException:
             self._socket.close(0)
+            self._wakeup.close()
+            self._closed = True  # nothing for the caller to close: no "not closed" warning
             raise
         self.batches_per_epoch: int | None = welcome["batches"]
         self.slots: int = welcome["slots"]
@@ -187,6 +190,8 @@ class Consumer:
         self._check_violation()
         kind, payload = self._take()
         if kind == _BATCH:
+            if self._error is not None:  # evicted while this batch waited in the queue
+                raise self._error
             self._mid_epoch = True
             return payload
         self._mid_epoch = False
@@ -340,10 +345,20 @@ class Consumer:
                 elif kind is Kind.EPOCH_END:
                     self._queue.put((_EPOCH_END, msg["epoch"]))
                 elif kind is Kind.END:
+                    # Every earlier BATCH is built (so its arena mapped): tell the producer
+                    # it may now unlink its segments.
                     self._stream_over = True
                     self._queue.put((_END, msg["reason"]))
+                    self._send(protocol.encode(Kind.BYE))
+                elif kind is Kind.EVICTED and self._stream_over:
+                    # We said BYE at END, so a later RELEASE or MODIFIED draws this; after END
+                    # no slot is reused, so the queued batches stay valid.
+                    continue
                 elif kind is Kind.EVICTED:
-                    self._fail(Evicted(f"the producer at {self.endpoint} evicted this consumer: {msg['reason']}"))
+                    evicted = Evicted(f"the producer at {self.endpoint} evicted this consumer: {msg['reason']}")
+                    if not self._stream_over:  # mid-stream, our queued batches' slots get reused
+                        self._error = evicted  # so never yield them (after END nothing is reused)
+                    self._fail(evicted)
                     return False
                 elif kind is Kind.ERROR:
                     log.error("the producer at %s reports: %s", self.endpoint, msg["reason"])
@@ -361,8 +376,10 @@ class Consumer:
         seq = msg["seq"]
         with self._live_lock:
             self._live.add(seq)
+        # The finalizer keeps the mapping (not the region) so the release check reads the
+        # very memory this batch lived in.
         release = weakref.finalize(
-            region, self._on_release, seq, slot, nbytes, msg["fingerprint"], msg["epoch"], msg["index"]
+            region, self._on_release, seq, region.base, nbytes, msg["fingerprint"], msg["epoch"], msg["index"]
         )
         release.atexit = False
         copy = self.copy or self.device.type != "cpu"
@@ -371,16 +388,19 @@ class Consumer:
             batch = _to_device(batch, self.device)
         return batch
 
-    def _on_release(self, seq: int, slot: int, nbytes: int, fingerprint: int | None, epoch: int, index: int) -> None:
+    def _on_release(
+        self, seq: int, mapping: Any, nbytes: int, fingerprint: int | None, epoch: int, index: int
+    ) -> None:
         """Finalizer: runs in whichever thread dropped the last view; must not touch the socket."""
-        self._released.append((seq, slot, nbytes, fingerprint, epoch, index))
+        self._released.append((seq, mapping, nbytes, fingerprint, epoch, index))
         self._wakeup.wake()
 
     def _send_releases(self) -> bool:
         seqs = []
         while self._released:
-            seq, slot, nbytes, fingerprint, epoch, index = self._released.popleft()
-            if fingerprint is not None and layout.fingerprint(self._arenas.region(slot, nbytes)) != fingerprint:
+            seq, mapping, nbytes, fingerprint, epoch, index = self._released.popleft()
+            region = np.frombuffer(mapping, dtype=np.uint8, count=nbytes)
+            if fingerprint is not None and layout.fingerprint(region) != fingerprint:
                 self._report_modified(seq, epoch, index)
             seqs.append(seq)
         if not seqs:

@@ -202,7 +202,7 @@ class Flow:
         self.epoch += 1
         self._epoch_start = self.next_seq
         self._replay_open = True
-        for cid, state in self._consumers.items():
+        for state in self._consumers.values():
             if state.cursor is None:
                 state.cursor = self.next_seq
         return out

@@ -146,7 +146,7 @@ def plan(batch: Any) -> Plan:
 
 def write(p: Plan, arena: torch.Tensor) -> None:
     """Copy every leaf of ``p`` into ``arena`` (a flat uint8 tensor at least p.nbytes long)."""
-    for leaf, src in zip(p.leaves, p.sources):
+    for leaf, src in zip(p.leaves, p.sources, strict=True):
         if leaf.nbytes == 0:
             continue
         dst = arena[leaf.offset : leaf.offset + leaf.nbytes]
@@ -231,7 +231,7 @@ def _check_tree(node: Any, n_leaves: int, kinds: dict[int, str], depth: int) -> 
         if type(payload) is not int or not 0 <= payload < n_leaves:
             raise ProtocolError(f"layout tree points at leaf {payload!r:.20} of {n_leaves}")
         if kinds.setdefault(payload, tag) != tag:
-            raise ProtocolError(f"layout tree reads leaf {payload} as both {kinds[payload]} and {tag}")
+            raise ProtocolError(f"layout tree reads leaf {payload} as {kinds[payload]} and {tag}")
     elif tag in (TUPLE, LIST):
         if not isinstance(payload, list):
             raise ProtocolError("layout sequence node has no child list")
@@ -275,19 +275,19 @@ def build(tree: Any, leaves: list[Leaf], region: np.ndarray, copy: bool = False)
             a.flags.writeable = False
         return a[()] if tag == NPSCALAR else a
 
-    def walk(node: list[Any]) -> Any:
-        tag, payload = node
-        if tag == VALUE:
-            return payload
-        if tag == TUPLE:
-            return tuple(walk(c) for c in payload)
-        if tag == LIST:
-            return [walk(c) for c in payload]
-        if tag == DICT:
-            return {k: walk(c) for k, c in payload}
-        return leaf_value(tag, leaves[payload])
+    return _rebuild(tree, lambda tag, i: leaf_value(tag, leaves[i]))
 
-    try:
-        return walk(tree)
-    finally:
-        del walk  # walk reaches itself through its closure; break that cycle so region frees on time
+
+def _rebuild(node: list[Any], leaf: Any) -> Any:
+    # Module level, not a closure over itself: a self-referencing closure is a reference cycle
+    # that would keep ``region`` alive until the cyclic GC runs instead of until the last view dies.
+    tag, payload = node
+    if tag == VALUE:
+        return payload
+    if tag == TUPLE:
+        return tuple(_rebuild(c, leaf) for c in payload)
+    if tag == LIST:
+        return [_rebuild(c, leaf) for c in payload]
+    if tag == DICT:
+        return {k: _rebuild(c, leaf) for k, c in payload}
+    return leaf(tag, payload)

@@ -34,6 +34,10 @@ from .wakeup import Wakeup
 
 log = logging.getLogger("tensorsocket")
 
+
+class _Closed(TensorSocketError):
+    """The producer was closed (possibly from another thread) while the caller waited."""
+
 _TICK = 0.05  # seconds between liveness checks in the I/O loop
 _MAX_HEARTBEAT = 1.0
 
@@ -117,6 +121,7 @@ class Producer:
         self._wakeup = Wakeup()
         self._stop = threading.Event()
         self._closed = False
+        self._closing = False  # close() has begun: waits in the caller's thread end quietly
         self._started = False  # the first batch was pulled
         self._epoch_open = False
         self._index = 0
@@ -137,6 +142,8 @@ class Producer:
                 self._socket.bind(self.endpoint)
         except zmq.ZMQError as exc:
             self._socket.close(0)
+            self._wakeup.close()
+            self._closed = True  # nothing for the caller to close: no "not closed" warning
             self._release_lock()
             raise RuntimeError(f"cannot bind {self.endpoint}: {exc}") from None
         self._io = threading.Thread(target=self._io_loop, name="tensorsocket-producer-io", daemon=True)
@@ -173,7 +180,11 @@ class Producer:
                     pass
                 done += 1
             self._end_stream(None)
-            self._wait(self._flow.finished, None, "consumers to finish")
+            self._wait(self._all_left, None, "consumers to finish")
+        except _Closed:
+            if not self._closing:
+                raise
+            return  # close() was called from another thread
         except BaseException as exc:
             self.close(reason=f"producer stopped: {type(exc).__name__}: {exc}")
             raise
@@ -184,13 +195,14 @@ class Producer:
         seconds for them to be sent it, then stop and unlink the shared memory. Idempotent."""
         if self._closed:
             return
+        self._closing = True
         try:
             if not self._flow.ended:
                 if self._epoch_open and reason is None:
                     self._end_epoch()
                 self._end_stream(reason)
             deadline = time.monotonic() + self.linger
-            self._wait(self._flow.finished, deadline, "consumers to finish")
+            self._wait(self._all_left, deadline, "consumers to finish")
         except (TensorSocketError, RuntimeError):
             pass
         finally:
@@ -244,6 +256,8 @@ class Producer:
         slot_box: list[int] = []
 
         def reserved() -> bool:
+            if self._flow.ended:
+                raise _Closed(f"producer on {self.endpoint} was closed")
             slot = self._flow.reserve()
             if slot is not None:
                 slot_box.append(slot)
@@ -263,6 +277,8 @@ class Producer:
                 self._flow.cancel(slot)
             raise
         with self._changed:
+            if self._flow.ended:  # closed while we wrote
+                raise _Closed(f"producer on {self.endpoint} was closed")
             frame = protocol.encode(
                 Kind.BATCH,
                 seq=self._flow.next_seq,
@@ -283,6 +299,8 @@ class Producer:
     def _end_epoch(self) -> None:
         with self._changed:
             self._epoch_open = False
+            if self._flow.ended:
+                raise _Closed(f"producer on {self.endpoint} was closed")
             frame = protocol.encode(Kind.EPOCH_END, seq=self._flow.next_seq, epoch=self._flow.epoch)
             self._send_all(self._flow.end_epoch(frame))
         self._wakeup.wake()
@@ -301,10 +319,15 @@ class Producer:
         with self._changed:
             while not predicate():
                 if self._stop.is_set() or not self._io.is_alive():
-                    raise TensorSocketError(f"producer on {self.endpoint} stopped while waiting for {what}")
+                    raise _Closed(f"producer on {self.endpoint} stopped while waiting for {what}")
                 if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError(f"gave up waiting for {what}")
                 self._changed.wait(_TICK)
+
+    def _all_left(self) -> bool:
+        """After END: every consumer said BYE (it has mapped every arena it was sent, so the
+        segments may be unlinked), left, or died."""
+        return self._flow.ended and not self._peers
 
     def _check_open(self) -> None:
         if self._closed:

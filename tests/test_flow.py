@@ -7,7 +7,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -36,6 +36,11 @@ class ConsumerModel:
     received: list[Entry] = field(default_factory=list)
     held: dict[int, int] = field(default_factory=dict)  # seq -> slot
     finished: bool = False
+    # Where its first entry must be, decided at join: ``start`` is its seq (the current epoch's
+    # first entry, or END); if None, the consumer waits and starts right after the first
+    # EPOCH_END at or past ``wait_from`` (or at END, if that comes first).
+    start: int | None = None
+    wait_from: int = 0
 
 
 def check_next(prev: Entry | None, e: Entry, log: dict[int, Entry]) -> None:
@@ -72,6 +77,7 @@ class FlowMachine(RuleBasedStateMachine):
         self.log: dict[int, Entry] = {}  # the whole stream as published, never trimmed
         self.next_seq = 0
         self.epoch = 0
+        self.epoch_start = 0
         self.ended = False
         self.consumers: dict[Hashable, ConsumerModel] = {}
 
@@ -83,6 +89,24 @@ class FlowMachine(RuleBasedStateMachine):
         self.next_seq += 1
         return entry
 
+    def _replayable(self) -> bool:
+        """Every batch of the current epoch is still in its slot."""
+        return all(
+            e.kind is not BATCH or self.memory.get(e.slot) == e.seq  # type: ignore[arg-type]
+            for e in (self.log[s] for s in range(self.epoch_start, self.next_seq))
+        )
+
+    def _expected_first(self, m: ConsumerModel) -> int | None:
+        """The seq of the first entry ``m`` must receive, if already published; else None."""
+        if m.start is not None:
+            return m.start if m.start < self.next_seq else None
+        for seq in range(m.wait_from, self.next_seq):
+            if self.log[seq].kind is EPOCH_END:
+                return seq + 1 if seq + 1 < self.next_seq else None
+            if self.log[seq].kind is END:
+                return seq
+        return None
+
     def _handle(self, out: list[Deliver], only: Hashable | None = None) -> None:
         for d in out:
             assert isinstance(d, Deliver)
@@ -93,6 +117,10 @@ class FlowMachine(RuleBasedStateMachine):
             assert not m.finished, ("delivery after END", d)
             assert self.log.get(e.seq) == e, ("entry differs from what was published", e)
             check_next(m.received[-1] if m.received else None, e, self.log)
+            if not m.received:
+                assert e.seq == self._expected_first(m), ("joiner started at the wrong entry", m, e)
+                if m.start is None:
+                    event("a waiting joiner started after the boundary")
             m.received.append(e)
             if e.kind is BATCH:
                 assert e.slot is not None
@@ -102,25 +130,41 @@ class FlowMachine(RuleBasedStateMachine):
             elif e.kind is END:
                 m.finished = True
 
-    def _check_overwrite(self, slot: int) -> None:
-        """The producer is about to write ``slot``: nobody may hold what it contains."""
-        old = self.memory.get(slot)
-        if old is None:
+    def _free(self, slot: int) -> bool:
+        """Never written, or its write was cancelled."""
+        return self.memory.get(slot, GARBAGE) == GARBAGE
+
+    def _needed(self, slot: int) -> bool:
+        """Some consumer holds the slot's batch or has not been sent it yet (docstring rule)."""
+        assert self.flow is not None
+        seq = self.memory[slot]
+        cursors = [self.flow.consumers[cid].cursor for cid in self.consumers]
+        return any(seq in m.held for m in self.consumers.values()) or any(
+            c is not None and c <= seq for c in cursors
+        )
+
+    def _check_reserved(self, slot: int) -> None:
+        """reserve() gave ``slot``, which the producer is about to write: nobody may hold or
+        still need what it contains, and it is a free slot if any, else the oldest batch."""
+        assert 0 <= slot < self.k
+        free = [i for i in range(self.k) if self._free(i)]
+        if free:
+            assert slot in free, ("reserved a used slot while a free one exists", slot, free)
             return
+        old = self.memory[slot]
         for cid, m in self.consumers.items():
             assert old not in m.held, ("reserved a held batch", slot, old, cid)
+        assert not self._needed(slot), ("reserved a batch not yet sent to all", slot, old)
+        oldest = min(self.memory[i] for i in range(self.k) if not self._needed(i))
+        assert old == oldest, ("did not reuse the oldest batch's slot", slot, old, oldest)
+        if old >= self.epoch_start:
+            event("reserve: overwrites a batch of the current epoch")
 
     def _check_stall_justified(self) -> None:
         """reserve() said None: every slot is still needed by some consumer."""
-        assert self.flow is not None
         for i in range(self.k):
-            seq = self.memory.get(i)
-            assert seq is not None and seq != GARBAGE, ("free slot refused", i)
-            cursors = [self.flow.consumers[cid].cursor for cid in self.consumers]
-            needed = any(seq in m.held for m in self.consumers.values()) or any(
-                c is not None and c <= seq for c in cursors
-            )
-            assert needed, ("stalled on a slot nobody needs", i, seq)
+            assert not self._free(i), ("free slot refused", i)
+            assert self._needed(i), ("stalled on a slot nobody needs", i, self.memory[i])
 
     def _assert_ended_refuses(self) -> None:
         assert self.flow is not None
@@ -139,10 +183,23 @@ class FlowMachine(RuleBasedStateMachine):
             with pytest.raises(ValueError):
                 self.flow.join(cid, prefetch)
             return
-        self.consumers[cid] = ConsumerModel(prefetch)
+        m = self.consumers[cid] = ConsumerModel(prefetch, wait_from=self.next_seq)
+        if self.ended:
+            m.start = self.next_seq - 1
+            event("join: after END")
+        elif self._replayable():
+            m.start = self.epoch_start
+            if self.epoch_start < self.next_seq:
+                event("join: replays the resident epoch")
+        else:
+            event("join: waits for the next epoch")
         out = self.flow.join(cid, prefetch)
         if self.ended:
             assert [d.entry for d in out] == [self.log[self.next_seq - 1]], out
+        elif m.start is not None and m.start < self.next_seq:
+            assert out and out[0].entry.seq == m.start, ("joiner not sent the epoch at once", out)
+        else:
+            assert out == [], out
         self._handle(out, only=cid)
 
     @rule(cid=CIDS)
@@ -172,6 +229,19 @@ class FlowMachine(RuleBasedStateMachine):
         out = self.flow.release(cid, iter(seqs))
         self._handle(out, only=cid)
 
+    @precondition(lambda self: self.flow is not None and self.consumers)
+    @rule(data=st.data())
+    def release_all(self, data: st.DataObject) -> None:
+        """A consumer that keeps up: everything it holds, in one message."""
+        assert self.flow is not None
+        cid = data.draw(st.sampled_from(sorted(self.consumers)), label="cid")
+        m = self.consumers[cid]
+        for seq, slot in m.held.items():
+            assert self.memory.get(slot) == seq, ("a held batch was overwritten", slot, seq)
+        seqs = list(m.held)
+        m.held.clear()
+        self._handle(self.flow.release(cid, seqs), only=cid)
+
     @rule(cid=st.sampled_from(["x", "y"]), seqs=st.lists(st.integers(-1, 10), max_size=3))
     def release_unknown_consumer(self, cid: str, seqs: list[int]) -> None:
         assert self.flow is not None
@@ -179,23 +249,26 @@ class FlowMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ producer
 
-    @rule()
-    def publish(self) -> None:
+    @rule(n=st.integers(1, 3))
+    def publish(self, n: int) -> None:
+        """Up to ``n`` batches in a row, as a producer does until it stalls."""
         assert self.flow is not None
         if self.ended:
             self._assert_ended_refuses()
             return
-        slot = self.flow.reserve()
-        if slot is None:
-            self._check_stall_justified()
-            return
-        assert 0 <= slot < self.k
-        self._check_overwrite(slot)
-        self.memory[slot] = self.next_seq  # the producer writes the batch, then publishes
-        entry = self._append(BATCH, slot, batch_payload(self.next_seq))
-        out = self.flow.publish(slot, entry.payload)
-        assert self.flow.next_seq == self.next_seq
-        self._handle(out)
+        for _ in range(n):
+            slot = self.flow.reserve()
+            if slot is None:
+                event("reserve: stalled")
+                self._check_stall_justified()
+                return
+            self._check_reserved(slot)
+            self.memory[slot] = self.next_seq  # the producer writes the batch, then publishes
+            entry = self._append(BATCH, slot, batch_payload(self.next_seq))
+            out = self.flow.publish(slot, entry.payload)
+            assert self.flow.next_seq == self.next_seq
+            self._handle(out)
+            self.flow.check()
 
     @rule()
     def reserve_then_cancel(self) -> None:
@@ -207,7 +280,7 @@ class FlowMachine(RuleBasedStateMachine):
         if slot is None:
             self._check_stall_justified()
             return
-        self._check_overwrite(slot)
+        self._check_reserved(slot)
         self.memory[slot] = GARBAGE  # a failed write leaves the slot's bytes undefined
         self.flow.cancel(slot)
         with pytest.raises(RuntimeError):
@@ -215,10 +288,11 @@ class FlowMachine(RuleBasedStateMachine):
         with pytest.raises(RuntimeError):
             self.flow.publish(slot, batch_payload(self.next_seq))
 
-    @rule(gate=st.integers(0, 2))
+    @rule(gate=st.integers(0, 3))
     def end_epoch(self, gate: int) -> None:
         assert self.flow is not None
-        if gate:  # keep epochs a few batches long on average
+        # Act on a middle value: hypothesis favours the bounds, so ``if gate:`` would not do.
+        if gate != 2:  # keep epochs several batches long on average
             return
         if self.ended:
             with pytest.raises(RuntimeError):
@@ -226,14 +300,15 @@ class FlowMachine(RuleBasedStateMachine):
             return
         entry = self._append(EPOCH_END, None, ("epoch_end", self.epoch))
         self.epoch += 1
+        self.epoch_start = self.next_seq
         out = self.flow.end_epoch(entry.payload)
         assert self.flow.epoch == self.epoch
         self._handle(out)
 
-    @rule(gate=st.integers(0, 7))
+    @rule(gate=st.integers(0, 9))
     def end_stream(self, gate: int) -> None:
         assert self.flow is not None
-        if gate:  # rarely, so that most runs do a lot before the end
+        if gate != 6:  # rarely, so that most runs do a lot before the end
             return
         if self.ended:  # at most once
             with pytest.raises(RuntimeError):
@@ -266,6 +341,11 @@ class FlowMachine(RuleBasedStateMachine):
             check_received(m.received, self.log)
             for seq, slot in m.held.items():
                 assert self.memory.get(slot) == seq, ("a held batch was overwritten", slot, seq)
+        for i in range(self.k):
+            expected = {
+                cid for cid, m in self.consumers.items() if m.held.get(self.memory.get(i)) == i
+            }
+            assert self.flow.holders(i) == expected, (i, self.flow.holders(i), expected)
 
     @invariant()
     def no_deadlock(self) -> None:
@@ -284,12 +364,16 @@ class FlowMachine(RuleBasedStateMachine):
                     e = d.entry
                     assert self.log.get(e.seq) == e
                     check_next(last[d.consumer], e, self.log)
+                    if last[d.consumer] is None:
+                        assert e.seq == self._expected_first(self.consumers[d.consumer]), e
                     if e.kind is BATCH:
                         assert self.memory.get(e.slot) == e.seq  # type: ignore[arg-type]
                     last[d.consumer] = e
                     progress = True
             flow.check()
         for cid, state in flow.consumers.items():
+            if last[cid] is None:  # nothing sent yet: its start must not have been published
+                assert self._expected_first(self.consumers[cid]) is None, (cid, state)
             assert not state.held
             assert state.cursor is None or state.cursor == flow.next_seq, (cid, state)
         if flow.ended:

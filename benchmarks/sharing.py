@@ -1,0 +1,178 @@
+"""Sharing benchmark: N trainers fed by one shared JPEG pipeline vs N independent DataLoaders.
+
+Every trainer simulates a GPU step of ``--step-ms`` (a sleep: the CPU is free for loading)
+and counts samples/s from its first batch to its last. Three ways, one after the other, on
+the same machine and dataset:
+
+* ``single``: one trainer with its own DataLoader: the pipeline's own rate, the bound;
+* ``independent``: N trainers, each with its own DataLoader (the status quo);
+* ``shared``: one tensorsocket producer running the same DataLoader, N consumers.
+
+Every DataLoader is ``producer.imagefolder.make_loader`` (Pillow decode, random resized
+crop, flip, normalise; batch 32, 224x224) with ``--workers`` worker processes. The shared
+run also checks that every consumer got every batch of every epoch exactly once.
+
+    python -m benchmarks.sharing            # writes benchmarks/results/sharing-<host>-<date>.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import time
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from producer.imagefolder import make_dataset, make_loader
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+SPAWN = mp.get_context("spawn")
+
+
+def _train(batches: Any, epochs: int, step_s: float) -> dict[str, Any]:
+    """Consume ``epochs`` epochs of ``batches`` with a simulated step; return the rate."""
+    samples = counted = 0
+    start = None
+    per_epoch = []
+    for _ in range(epochs):
+        n = 0
+        for images, labels in batches:
+            if start is None:  # the clock starts at the first batch: start-up is not rate
+                start = time.perf_counter()
+            else:
+                samples += images.shape[0]
+            assert images.shape[1:] == (3, 224, 224) and labels.shape[0] == images.shape[0]
+            del images, labels
+            time.sleep(step_s)
+            n += 1
+            counted += 1
+        per_epoch.append(n)
+    elapsed = time.perf_counter() - (start or time.perf_counter())
+    return {"samples_per_s": samples / elapsed if elapsed else 0.0, "batches": counted,
+            "batches_per_epoch": per_epoch, "seconds": elapsed}
+
+
+def _own_loader_trainer(root: str, workers: int, epochs: int, step_s: float, out: Any) -> None:
+    torch.set_num_threads(1)
+    report = _train(make_loader(root, batch_size=32, num_workers=workers), epochs, step_s)
+    out.put(report)
+
+
+def _consumer_trainer(name: str, epochs: int, step_s: float, out: Any) -> None:
+    from tensorsocket import Consumer
+
+    torch.set_num_threads(1)
+    with Consumer(name=name, timeout=60) as consumer:
+        report = _train(consumer, epochs, step_s)
+        report["len"] = len(consumer)
+    out.put(report)
+
+
+def _producer(root: str, name: str, workers: int, epochs: int, consumers: int) -> None:
+    from tensorsocket import Producer
+
+    torch.set_num_threads(1)
+    loader = make_loader(root, batch_size=32, num_workers=workers)
+    Producer(loader, name=name, slots=8, min_consumers=consumers).serve(epochs=epochs)
+
+
+def _run(targets: list[tuple[Any, tuple[Any, ...]]], reporters: int, timeout: float) -> list[dict[str, Any]]:
+    out = SPAWN.Queue()
+    procs = [SPAWN.Process(target=t, args=(*args, out) if i < reporters else args)
+             for i, (t, args) in enumerate(targets)]
+    for p in procs:
+        p.start()
+    try:
+        return [out.get(timeout=timeout) for _ in range(reporters)]
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+
+
+def run(trainers: int = 4, step_ms: float = 10.0, images: int = 512, epochs: int = 2,
+        workers: int = 2, data: Path | None = None, modes: tuple[str, ...] = ("single", "independent", "shared"),
+        log: Any = print) -> dict[str, Any]:
+    """Run the benchmark; return every figure (and what the run was) as a dict."""
+    data = data or ROOT / "data" / f"jpeg-{images}"
+    t0 = time.perf_counter()
+    root = str(make_dataset(data, count=images))
+    log(f"dataset: {images} JPEGs in {root} ({time.perf_counter() - t0:.1f} s)")
+    step_s = step_ms / 1000
+    timeout = 600.0
+    result: dict[str, Any] = {}
+    if "single" in modes:
+        log("single: one trainer, its own DataLoader ...")
+        result["single"] = _run([(_own_loader_trainer, (root, workers, epochs, step_s))], 1, timeout)
+    if "independent" in modes:
+        log(f"independent: {trainers} trainers, each its own DataLoader ...")
+        result["independent"] = _run(
+            [(_own_loader_trainer, (root, workers, epochs, step_s))] * trainers, trainers, timeout)
+    if "shared" in modes:
+        log(f"shared: one tensorsocket producer, {trainers} consumers ...")
+        name = f"bench-{uuid.uuid4().hex[:8]}"
+        targets = [(_consumer_trainer, (name, epochs, step_s))] * trainers
+        targets.append((_producer, (root, name, workers, epochs, trainers)))
+        shared = _run(targets, trainers, timeout)
+        expected = -(-images // 32)
+        for r in shared:
+            r["exact"] = r["batches_per_epoch"] == [expected] * epochs and r["len"] == expected
+        result["shared"] = shared
+
+    def mean(mode: str) -> float:
+        rates = [r["samples_per_s"] for r in result.get(mode, [])]
+        return sum(rates) / len(rates) if rates else float("nan")
+
+    summary = {mode: round(mean(mode), 1) for mode in result}
+    if "shared" in result and "independent" in result:
+        summary["shared_over_independent"] = round(mean("shared") / mean("independent"), 2)
+    if "shared" in result and "single" in result:
+        summary["shared_gap_to_single_pct"] = round(100 * (1 - mean("shared") / mean("single")), 1)
+    return {
+        "benchmark": "sharing",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                    "torch": torch.__version__, "platform": platform.platform()},
+        "config": {"trainers": trainers, "step_ms": step_ms, "images": images, "epochs": epochs,
+                   "batch_size": 32, "image_size": 224, "workers_per_loader": workers},
+        "per_trainer_samples_per_s": summary,
+        "runs": result,
+    }
+
+
+def write(result: dict[str, Any], name: str) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    day = result["date"][:10]
+    path = RESULTS / f"{name}-{platform.node() or 'host'}-{day}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--trainers", type=int, default=4)
+    parser.add_argument("--step-ms", type=float, default=10.0)
+    parser.add_argument("--images", type=int, default=512)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=2, help="DataLoader workers per loader")
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args()
+    result = run(args.trainers, args.step_ms, args.images, args.epochs, args.workers)
+    print(json.dumps(result["per_trainer_samples_per_s"], indent=2))
+    for r in result["runs"].get("shared", []):
+        print(f"shared consumer exact={r['exact']} batches/epoch={r['batches_per_epoch']}")
+    if not args.no_write:
+        print("wrote", write(result, "sharing"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""Test support: a nested, ragged, deterministic loader and consumer processes that verify
+every batch bit for bit without asking the producer."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+import torch
+
+SPAWN = mp.get_context("spawn")
+
+
+def unique_name(prefix: str = "t") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+def expected_batch(index: int, batches: int, batch_size: int = 8, seed: int = 0) -> Any:
+    """Batch ``index``: nested tuple/list/dict, several dtypes, a ragged last batch and a
+    leaf whose shape changes every batch. A pure function of its arguments."""
+    g = torch.Generator().manual_seed(seed * 100003 + index)
+    rows = batch_size if index < batches - 1 else max(1, batch_size // 2 - 1)
+    width = 3 + index % 4
+    image = torch.rand(rows, 3, 5, width, generator=g)
+    image[0, 0, 0, 0] = float("nan") if index % 3 == 0 else -0.0
+    return (
+        image,
+        {
+            "label": torch.randint(0, 1000, (rows,), generator=g),
+            "half": torch.randn(rows, 2, generator=g).to(torch.bfloat16),
+            "mask": torch.rand(rows, generator=g) > 0.5,
+            "np": np.arange(rows * 2, dtype=np.int32).reshape(rows, 2) + index,
+            "meta": [f"batch-{index}", None, index, 0.25 * index, b"\x00\xff"],
+            "empty": torch.zeros(0, 7),
+        },
+    )
+
+
+class NestedLoader:
+    """Re-iterable loader of ``expected_batch``; counts how many batches were pulled."""
+
+    def __init__(self, batches: int = 6, batch_size: int = 8, seed: int = 0, delay: float = 0.0) -> None:
+        self.batches, self.batch_size, self.seed, self.delay = batches, batch_size, seed, delay
+        self.pulled = 0
+
+    def __len__(self) -> int:
+        return self.batches
+
+    def __iter__(self) -> Any:
+        for i in range(self.batches):
+            if self.delay:
+                time.sleep(self.delay)
+            self.pulled += 1
+            yield expected_batch(i, self.batches, self.batch_size, self.seed)
+
+
+def same(a: Any, b: Any) -> bool:
+    """Bit-exact equality of nested batches, including NaNs and -0.0, types and dtypes."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        return (
+            a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+            if a.numel()
+            else a.dtype == b.dtype and a.shape == b.shape
+        )
+    if isinstance(a, np.ndarray):
+        return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    return a == b
+
+
+def run_consumer(name: str, epochs: int, batches: int, results: Any, batch_size: int = 8,
+                 kill_after: int | None = None, step: float = 0.0, hold: int = 0,
+                 options: dict[str, Any] | None = None) -> None:
+    """Consumer process body: iterate ``epochs`` epochs, verify every batch, report.
+
+    Reports ``{"pid", "seen": [(epoch, index)], "bad": [...], "len", "after_end", "finished"}``
+    on ``results``. ``kill_after`` SIGKILLs itself after that many batches; ``hold`` keeps
+    the last N batches alive and re-verifies them at every step; ``step`` sleeps per batch.
+    """
+    from tensorsocket import Consumer
+
+    report: dict[str, Any] = {"pid": os.getpid(), "seen": [], "bad": [], "error": None}
+    consumer = Consumer(name=name, **(options or {}))
+    try:
+        report["len"] = len(consumer)
+        held: list[tuple[int, Any]] = []
+        count = 0
+        for epoch in range(epochs):
+            index = 0
+            for batch in consumer:
+                if not same(batch, expected_batch(index, batches, batch_size)):
+                    report["bad"].append((epoch, index))
+                report["seen"].append((epoch, index))
+                if hold:
+                    held.append((index, batch))
+                    held = held[-hold:]
+                    for i, b in held:
+                        if not same(b, expected_batch(i, batches, batch_size)):
+                            report["bad"].append(("held", epoch, i))
+                del batch
+                index += 1
+                count += 1
+                if kill_after is not None and count == kill_after:
+                    results.put({"pid": os.getpid(), "killed_at": time.time()})
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if step:
+                    time.sleep(step)
+        report["after_end"] = sum(1 for _ in consumer)
+        report["finished"] = consumer.finished
+    except Exception as exc:  # reported, so the test shows it
+        report["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        consumer.close()
+        results.put(report)
+
+
+def start_consumers(name: str, n: int, epochs: int, batches: int, **kwargs: Any) -> tuple[list[Any], Any]:
+    results = SPAWN.Queue()
+    procs = [SPAWN.Process(target=run_consumer, args=(name, epochs, batches, results), kwargs=kwargs)
+             for _ in range(n)]
+    for p in procs:
+        p.start()
+    return procs, results
+
+
+def shm_segments(pid: int | None = None) -> list[str]:
+    """tensorsocket segments in /dev/shm of this uid (and of producer ``pid`` if given)."""
+    prefix = f"tensorsocket-{os.getuid()}-" + (f"{pid}-" if pid is not None else "")
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
+
+
+def free_port() -> int:
+    """A tcp port on 127.0.0.1 that was free a moment ago (the OS picked it)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def join_or_fail(thread: Any, timeout: float = 30.0) -> None:
+    """Join a test thread; fail (instead of hanging the suite) if it is still running."""
+    thread.join(timeout)
+    assert not thread.is_alive(), f"thread {thread.name} did not finish within {timeout} s"
+
+
+def run_consumer_and_die(name: str, batches: int, results: Any, kill_after: int,
+                         options: dict[str, Any] | None = None) -> None:
+    """Consumer process body: take ``kill_after`` batches of epoch 0, keep every one of them
+    alive, report ``{"pid", "killed_at", "held", "bad"}`` and SIGKILL itself while holding
+    them. The report is flushed before the kill (a plain ``Queue.put`` is sent by a feeder
+    thread that the kill could beat)."""
+    from tensorsocket import Consumer
+
+    consumer = Consumer(name=name, **(options or {}))
+    held, bad = [], []
+    for index, batch in enumerate(consumer):
+        if not same(batch, expected_batch(index, batches)):
+            bad.append(index)
+        held.append(batch)
+        if len(held) == kill_after:
+            break
+    results.put({"pid": os.getpid(), "killed_at": time.time(), "held": len(held), "bad": bad})
+    results.close()
+    results.join_thread()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def serve_producer(name: str, batches: int, ready: Any, delay: float = 0.0, slots: int = 3,
+                   epochs: int | None = None) -> None:
+    """Producer process body: serve ``NestedLoader(batches, delay=delay)`` for ``epochs``
+    epochs (None: forever); put this process's pid on ``ready`` once it is bound."""
+    from tensorsocket import Producer
+
+    producer = Producer(NestedLoader(batches, delay=delay), name=name, slots=slots)
+    ready.put(os.getpid())
+    producer.serve(epochs=epochs)

@@ -1,0 +1,273 @@
+"""Wrong arguments fail at once with a message naming the argument; endpoints resolve as
+documented (tcp random ports, the environment variable, a 0700 runtime directory); a batch
+that cannot be shared stops the producer with a reason its consumers are told."""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+from typing import Any
+
+import pytest
+
+from tensorsocket import Consumer, Producer, ProducerLost
+from tensorsocket.endpoint import ENV, resolve, runtime_dir
+from tests.support import NestedLoader, expected_batch, join_or_fail, same
+
+
+def read_all(consumer: Consumer, epochs: int, batches: int) -> list[tuple[int, int]]:
+    """Iterate ``epochs`` epochs, checking each batch bit for bit; return (epoch, index) seen."""
+    seen = []
+    for epoch in range(epochs):
+        for index, batch in enumerate(consumer):
+            assert same(batch, expected_batch(index, batches)), (epoch, index)
+            seen.append((epoch, index))
+            del batch
+    assert sum(1 for _ in consumer) == 0 and consumer.finished
+    return seen
+
+
+class Serving:
+    """Run ``producer.serve(epochs)`` in a thread; ``result()`` joins it and re-raises."""
+
+    def __init__(self, producer: Producer, epochs: int) -> None:
+        self.producer, self.error = producer, None
+        self.thread = threading.Thread(target=self._run, args=(epochs,), name="serve")
+        self.thread.start()
+
+    def _run(self, epochs: int) -> None:
+        try:
+            self.producer.serve(epochs=epochs)
+        except BaseException as exc:
+            self.error = exc
+
+    def result(self) -> None:
+        join_or_fail(self.thread)
+        if self.error is not None:
+            raise self.error
+
+
+# ---------------------------------------------------------------------- Producer arguments
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, words",
+    [
+        ({"slots": 0}, ValueError, ["slots"]),
+        ({"slots": -3}, ValueError, ["slots"]),
+        ({"slots": "8"}, ValueError, ["slots"]),
+        ({"slots": 2.0}, ValueError, ["slots"]),
+        ({"min_consumers": 0}, ValueError, ["min_consumers"]),
+        ({"min_consumers": "1"}, ValueError, ["min_consumers"]),
+        ({"linger": -1}, ValueError, ["linger"]),
+        ({"device": "cuda:0"}, ValueError, ["device", "cuda:0"]),
+        ({"device": "cuda"}, ValueError, ["device"]),
+    ],
+)
+def test_producer_rejects_bad_options(name, kwargs, exc, words):
+    with pytest.raises(exc) as info:
+        Producer(NestedLoader(2), name=name, **kwargs)
+    assert all(w in str(info.value) for w in words), str(info.value)
+
+
+def test_producer_rejects_a_one_shot_generator_and_suggests_the_function(name):
+    def batches():
+        yield from range(3)
+
+    with pytest.raises(TypeError, match="generator function"):
+        Producer(batches(), name=name)
+    with pytest.raises(TypeError, match="iterator"):
+        Producer(iter([1, 2, 3]), name=name)
+
+
+@pytest.mark.parametrize("loader", [42, None, object()])
+def test_producer_rejects_a_loader_that_is_not_iterable(name, loader):
+    with pytest.raises(TypeError, match="loader"):
+        Producer(loader, name=name)
+
+
+@pytest.mark.parametrize(
+    "where, words",
+    [
+        ({"name": "a/b"}, ["name"]),
+        ({"name": "../escape"}, ["name"]),
+        ({"name": ""}, ["name"]),
+        ({"name": "x" * 65}, ["name"]),
+        ({"name": "sweep", "endpoint": "ipc:///tmp/x.sock"}, ["name", "endpoint"]),
+        ({"endpoint": "http://x"}, ["http://x"]),
+        ({"endpoint": "tcp://127.0.0.1:notaport"}, ["notaport"]),
+        ({"endpoint": "tcp://127.0.0.1:70000"}, ["70000"]),
+        ({"endpoint": "tcp://127.0.0.1"}, ["tcp://127.0.0.1"]),
+        ({"endpoint": "ipc://"}, ["ipc"]),
+        ({"endpoint": 5555}, ["endpoint"]),
+    ],
+)
+def test_bad_names_and_endpoints_are_refused_by_both_sides(where, words):
+    for make in (lambda: Producer(NestedLoader(2), **where), lambda: Consumer(**where)):
+        with pytest.raises(ValueError) as info:
+            make()
+        assert all(w in str(info.value) for w in words), str(info.value)
+
+
+# ---------------------------------------------------------------------- Consumer arguments
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"timeout": 0}, ["timeout"]),
+        ({"timeout": -1}, ["timeout"]),
+        ({"timeout": "x"}, ["timeout"]),
+        ({"timeout": float("nan")}, ["timeout"]),
+        ({"prefetch": 0}, ["prefetch"]),
+        ({"prefetch": "2"}, ["prefetch"]),
+        ({"copy": "yes"}, ["copy"]),
+        ({"copy": 1}, ["copy"]),
+        ({"device": "nonsense"}, ["device", "nonsense"]),
+        ({"label": "x" * 200}, ["label"]),
+    ],
+)
+def test_consumer_rejects_bad_options_before_connecting(name, kwargs, words):
+    with pytest.raises(ValueError) as info:
+        Consumer(name=name, **kwargs)  # no producer: a bad option must not wait for one
+    assert all(w in str(info.value) for w in words), str(info.value)
+
+
+def test_consumer_without_a_producer_gives_up_within_its_timeout(name):
+    with pytest.raises(ProducerLost, match=name):
+        Consumer(name=name, timeout=0.2)
+
+
+# ---------------------------------------------------------------------- serve() and batches
+
+
+@pytest.mark.parametrize("epochs", [-1, 1.5, "2", True])
+def test_serve_rejects_bad_epochs(name, epochs):
+    with Producer(NestedLoader(2), name=name) as producer:
+        with pytest.raises(ValueError, match="epochs"):
+            producer.serve(epochs=epochs)
+
+
+class _Unshareable:
+    """Batch 0 is fine; batch 1 has a set and an object() deep inside."""
+
+    def __init__(self, leaf: Any) -> None:
+        self.leaf = leaf
+
+    def __len__(self) -> int:
+        return 3
+
+    def __iter__(self) -> Any:
+        yield expected_batch(0, 3)
+        yield (expected_batch(1, 3)[0], {"ok": 1, "bad": [0, self.leaf]})
+        yield expected_batch(2, 3)
+
+
+@pytest.mark.parametrize("leaf, type_name", [({1, 2}, "set"), (object(), "object")])
+def test_unshareable_leaf_stops_the_producer_and_tells_the_consumer_why(name, leaf, type_name):
+    producer = Producer(_Unshareable(leaf), name=name, slots=2)
+    consumer = None
+    report: dict[str, Any] = {"seen": 0, "error": None}
+    thread = None
+    try:
+        consumer = Consumer(name=name, timeout=10)
+
+        def consume() -> None:
+            try:
+                for batch in consumer:
+                    assert same(batch, expected_batch(report["seen"], 3))
+                    report["seen"] += 1
+                    del batch
+            except Exception as exc:
+                report["error"] = exc
+
+        thread = threading.Thread(target=consume, name="consume")
+        thread.start()
+        path = "batch[1]['bad'][1]"
+        with pytest.raises(TypeError) as info:
+            producer.serve(epochs=2)
+        assert path in str(info.value) and type_name in str(info.value)
+        join_or_fail(thread)
+        assert report["seen"] == 1
+        error = report["error"]
+        assert isinstance(error, ProducerLost), repr(error)
+        assert "TypeError" in str(error) and path in str(error) and type_name in str(error)
+    finally:
+        if consumer is not None:
+            consumer.close()
+        producer.close()
+        if thread is not None:
+            thread.join(10)
+
+
+def test_unshareable_leaf_raises_from_the_producer_loop_too(name):
+    with Producer(_Unshareable({1}), name=name) as producer:
+        consumer = Consumer(name=name, timeout=10)
+        try:
+            epoch = iter(producer)
+            next(epoch)
+            with pytest.raises(TypeError, match=r"batch\[1\]\['bad'\]\[1\] is a set"):
+                next(epoch)
+        finally:
+            consumer.close()
+
+
+# ---------------------------------------------------------------------- endpoints
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:*", "tcp://:*"])
+def test_tcp_random_port_is_reported_and_reachable(endpoint):
+    batches = 3
+    with Producer(NestedLoader(batches), endpoint=endpoint) as producer:
+        host, _, port = producer.endpoint[len("tcp://"):].rpartition(":")
+        assert host == "127.0.0.1" and port.isdigit() and 0 < int(port) < 65536
+        consumer = Consumer(endpoint=producer.endpoint, timeout=10)
+        try:
+            serving = Serving(producer, epochs=2)
+            assert read_all(consumer, 2, batches) == [(e, i) for e in range(2) for i in range(batches)]
+            serving.result()
+        finally:
+            consumer.close()
+
+
+def test_environment_variable_names_the_endpoint(name, monkeypatch):
+    batches = 2
+    monkeypatch.setenv(ENV, resolve(name=name))
+    with Producer(NestedLoader(batches), name=name) as producer:
+        consumer = Consumer(timeout=10)  # neither name nor endpoint: the environment decides
+        try:
+            assert consumer.endpoint == producer.endpoint
+            assert len(consumer) == batches
+            serving = Serving(producer, epochs=1)
+            assert read_all(consumer, 1, batches) == [(0, 0), (0, 1)]
+            serving.result()
+        finally:
+            consumer.close()
+
+
+def test_explicit_name_wins_over_the_environment(name, monkeypatch):
+    monkeypatch.setenv(ENV, "tcp://127.0.0.1:1")
+    assert resolve(name=name) == f"ipc://{runtime_dir() / name}.sock"
+    assert resolve() == "tcp://127.0.0.1:1"
+    monkeypatch.delenv(ENV)
+    assert resolve() == resolve(name="default")
+
+
+def test_runtime_directory_is_private():
+    path = runtime_dir()
+    st = os.stat(path)
+    assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700
+    assert st.st_uid == os.getuid()
+
+
+def test_runtime_directory_open_to_others_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    fresh = runtime_dir()
+    assert fresh == tmp_path / "tensorsocket"
+    assert stat.S_IMODE(os.stat(fresh).st_mode) == 0o700
+    os.chmod(fresh, 0o755)
+    with pytest.raises(PermissionError, match="0700"):
+        runtime_dir()
+    with pytest.raises(PermissionError):
+        Producer(NestedLoader(2), name="shared-dir")

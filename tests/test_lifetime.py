@@ -1,0 +1,158 @@
+"""A batch lives as long as any view of it; in-place writes are caught; hoarding is an error."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import time
+
+import pytest
+import torch
+
+from tensorsocket import BatchModified, Consumer, Producer, TensorSocketError
+from tests.support import NestedLoader, expected_batch, same
+
+
+def serving(producer: Producer, epochs: int = 1) -> threading.Thread:
+    thread = threading.Thread(target=producer.serve, kwargs={"epochs": epochs}, daemon=True)
+    thread.start()
+    return thread
+
+
+def wait_for(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_slot_is_released_when_the_last_derived_view_dies(name):
+    producer = Producer(NestedLoader(4), name=name, slots=1)
+    server = serving(producer)
+    try:
+        with Consumer(name=name) as consumer:
+            it = iter(consumer)
+            batch = next(it)
+            row = batch[0][1]  # a view derived from the batch
+            del batch
+            gc.collect()
+            time.sleep(0.3)
+            # With one slot, batch 1 cannot be written while a view of batch 0 lives.
+            assert producer.status()["published"] == 1
+            assert same(row, expected_batch(0, 4)[0][1])
+            del row
+            assert wait_for(lambda: producer.status()["published"] == 2)
+            rest = []
+            for b in it:  # one slot: the previous batch must be gone before the next
+                rest.append(b[1]["meta"][2])
+                del b
+            assert rest == [1, 2, 3]
+    finally:
+        producer.close()
+        server.join(timeout=10)
+
+
+def test_in_place_write_raises_batch_modified_and_is_logged(name, caplog):
+    producer = Producer(NestedLoader(8), name=name, slots=2)
+    server = serving(producer)
+    try:
+        with Consumer(name=name, label="sloppy-trainer") as consumer:
+            it = iter(consumer)
+            batch = next(it)
+            batch[0].sub_(0.5)  # the mistake: normalising a shared batch in place
+            del batch
+            with pytest.raises(BatchModified, match="sloppy-trainer.*copy=True"):
+                for _ in it:
+                    pass
+    finally:
+        producer.close()
+        server.join(timeout=10)
+    assert wait_for(lambda: "sloppy-trainer" in caplog.text and "changed in shared memory" in caplog.text, 2)
+
+
+def test_copy_true_gives_private_batches_and_no_error(name):
+    producer = Producer(NestedLoader(5), name=name, slots=2)
+    server = serving(producer)
+    try:
+        with Consumer(name=name, copy=True) as consumer:
+            seen = 0
+            for i, batch in enumerate(consumer):
+                expected = expected_batch(i, 5)
+                assert same(batch, expected)
+                batch[0].mul_(2)  # private: allowed
+                seen += 1
+            assert seen == 5
+    finally:
+        producer.close()
+        server.join(timeout=10)
+
+
+def test_holding_every_slot_and_asking_for_more_raises_instead_of_hanging(name):
+    producer = Producer(NestedLoader(6), name=name, slots=2)
+    server = serving(producer)
+    try:
+        with Consumer(name=name) as consumer:
+            kept = []
+            with pytest.raises(TensorSocketError, match="holds 2 batches"):
+                for batch in consumer:
+                    kept.append(batch)
+            assert len(kept) == 2
+    finally:
+        producer.close()
+        server.join(timeout=10)
+
+
+def test_nothing_is_pulled_before_min_consumers_join(name):
+    loader = NestedLoader(3)
+    producer = Producer(loader, name=name, slots=2, min_consumers=2)
+    server = serving(producer)
+    try:
+        with Consumer(name=name) as first:
+            time.sleep(0.5)
+            assert loader.pulled == 0
+            with Consumer(name=name) as second:
+                # Lockstep: under the default policy the slowest consumer sets the pace.
+                pairs = [(a[1]["meta"][2], b[1]["meta"][2]) for a, b in zip(first, second, strict=True)]
+                assert pairs == [(0, 0), (1, 1), (2, 2)]
+    finally:
+        producer.close()
+        server.join(timeout=10)
+
+
+def test_late_joiner_waits_for_the_next_epoch_when_this_one_is_gone(name, caplog):
+    caplog.set_level(logging.WARNING)
+    producer = Producer(NestedLoader(6), name=name, slots=2)
+    server = serving(producer, epochs=3)
+    try:
+        with Consumer(name=name) as leader:
+            it = iter(leader)
+            for _ in range(4):  # batches 0..3: batch 0's slot has been reused
+                next(it)
+            with Consumer(name=name) as late:
+                rest = []
+                for b in it:
+                    rest.append(b[1]["meta"][2])
+                    del b
+                assert rest == [4, 5]
+                # The late joiner starts at epoch 1's first batch and sees whole epochs, in
+                # lockstep with the leader.
+                for _ in range(2):
+                    pairs = [(a[1]["meta"][2], b[1]["meta"][2]) for a, b in zip(leader, late, strict=True)]
+                    assert pairs == [(i, i) for i in range(6)]
+                assert list(late) == [] and late.finished
+    finally:
+        producer.close()
+        server.join(timeout=10)
+
+
+def test_a_consumer_may_keep_tensors_after_close_and_producer_exit(name):
+    producer = Producer([torch.arange(1000)], name=name, slots=1)
+    server = serving(producer)
+    with Consumer(name=name) as consumer:
+        (batch,) = list(consumer)
+    server.join(timeout=10)
+    assert not server.is_alive()
+    assert torch.equal(batch, torch.arange(1000))  # the mapping outlives the unlink

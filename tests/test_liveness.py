@@ -1,0 +1,363 @@
+"""Liveness with real processes, sockets and shared memory: dead, silent and departing peers
+are noticed within bounded time, the survivors stay exact, and nothing is left behind."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import signal
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import zmq
+
+from tensorsocket import Consumer, Evicted, Producer, ProducerLost
+from tests.support import (
+    SPAWN,
+    NestedLoader,
+    expected_batch,
+    run_consumer,
+    run_consumer_and_die,
+    same,
+    serve_producer,
+    shm_segments,
+    unique_name,
+)
+
+EPOCHS = 2
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+@contextlib.contextmanager
+def reaped(*procs: Any) -> Iterator[None]:
+    """Start ``procs``; whatever happens, wake, kill and join every one of them."""
+    try:
+        for p in procs:
+            p.start()
+        yield
+    finally:
+        for p in procs:
+            if p.pid is None:
+                continue
+            if p.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGCONT)  # a stopped process cannot die until resumed
+                p.kill()
+            p.join(timeout=10)
+
+
+@contextlib.contextmanager
+def serving(producer: Producer, epochs: int | None) -> Iterator[tuple[threading.Thread, list[BaseException]]]:
+    """Run ``producer.serve(epochs)`` in a thread; close the producer and join it on the way out."""
+    errors: list[BaseException] = []
+
+    def body() -> None:
+        try:
+            producer.serve(epochs=epochs)
+        except BaseException as exc:  # reported by the test
+            errors.append(exc)
+
+    thread = threading.Thread(target=body, name="test-serve", daemon=True)
+    thread.start()
+    try:
+        yield thread, errors
+    finally:
+        producer.close()
+        thread.join(timeout=30)
+
+
+def tensorsocket_threads(before: set[threading.Thread] = frozenset()) -> list[str]:  # type: ignore[assignment]
+    """Live tensorsocket threads, other than those in ``before`` (left by other tests)."""
+    return [t.name for t in threading.enumerate() if t.name.startswith("tensorsocket") and t not in before]
+
+
+def assert_exact(report: dict[str, Any], batches: int, epochs: int = EPOCHS) -> None:
+    assert report["error"] is None, report["error"]
+    assert report["bad"] == []
+    assert report["seen"] == [(e, i) for e in range(epochs) for i in range(batches)]
+    assert report["after_end"] == 0 and report["finished"] is True
+
+
+def warm_up_zmq() -> None:
+    """Create the process's zmq context and its I/O thread, so fd counts compare like with like."""
+    zmq.Context.instance().socket(zmq.DEALER).close()
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def start_producer_process(name: str, batches: int, delay: float) -> tuple[Any, Any]:
+    ready = SPAWN.Queue()
+    proc = SPAWN.Process(target=serve_producer, args=(name, batches, ready), kwargs={"delay": delay})
+    return proc, ready
+
+
+# ---------------------------------------------------------------------------- tests
+
+
+def test_sigkilled_consumer_holding_slots_is_evicted_and_survivors_stay_exact(name):
+    batches, kill_after = 6, 3
+    results, doomed = SPAWN.Queue(), SPAWN.Queue()
+    survivors = [SPAWN.Process(target=run_consumer, args=(name, EPOCHS, batches, results)) for _ in range(2)]
+    # It keeps all 3 batches it took alive: with 3 slots nobody can progress until it is evicted.
+    victim = SPAWN.Process(target=run_consumer_and_die, args=(name, batches, doomed, kill_after))
+    producer = Producer(NestedLoader(batches), name=name, slots=3, min_consumers=3)
+    with reaped(victim, *survivors), serving(producer, EPOCHS) as (server, errors):
+        seen_present, max_held, gone_at = False, 0, None
+        deadline = time.monotonic() + 60
+        while gone_at is None and time.monotonic() < deadline and server.is_alive():
+            entries = [c for c in producer.status()["consumers"] if c["pid"] == victim.pid]
+            if entries:
+                seen_present = True
+                max_held = max(max_held, entries[0]["held"])
+            elif seen_present:
+                gone_at = time.time()
+            time.sleep(0.005)
+        death = doomed.get(timeout=30)
+        assert seen_present and gone_at is not None, "the killed consumer was never evicted"
+        assert death["pid"] == victim.pid and death["held"] == kill_after and death["bad"] == []
+        assert max_held >= kill_after - 1, f"the victim held only {max_held} batches at the producer"
+        delay = gone_at - death["killed_at"]
+        assert delay < 2.0, f"evicted {delay:.2f} s after its SIGKILL"
+        reports = [results.get(timeout=60) for _ in survivors]
+        server.join(timeout=30)
+        assert not server.is_alive() and errors == []
+    victim.join(timeout=10)
+    assert victim.exitcode == -signal.SIGKILL
+    for report in reports:
+        assert_exact(report, batches)
+    assert producer.status()["consumers"] == []
+    assert shm_segments(os.getpid()) == []
+
+
+def test_sigkilled_producer_raises_producer_lost_and_its_segments_are_swept(name):
+    batches = 8
+    proc, ready = start_producer_process(name, batches, delay=0.05)
+    with reaped(proc):
+        pid = ready.get(timeout=60)
+        assert pid == proc.pid
+        consumer = Consumer(name=name, timeout=5)
+        try:
+            killed_at = None
+            with pytest.raises(ProducerLost, match="died") as lost:
+                for index, batch in enumerate(consumer):
+                    assert same(batch, expected_batch(index, batches))
+                    if index == 2:
+                        os.kill(pid, signal.SIGKILL)
+                        killed_at = time.monotonic()
+            elapsed = time.monotonic() - killed_at
+        finally:
+            consumer.close()
+        assert killed_at is not None
+        assert elapsed < 5.0, f"ProducerLost came {elapsed:.2f} s after the kill"
+        assert elapsed < 2.0, f"the pid watch took {elapsed:.2f} s"  # the silence path would take 5 s
+        assert str(pid) in str(lost.value)
+        proc.join(timeout=10)
+        assert proc.exitcode == -signal.SIGKILL
+        stale = shm_segments(pid)
+        assert stale, "the killed producer's segments are already gone: nothing left to sweep"
+        Producer(NestedLoader(1), name=unique_name()).close()
+        assert shm_segments(pid) == []
+
+
+def test_stopped_producer_is_lost_after_the_silence_timeout(name):
+    batches, timeout = 8, 1.5
+    threads = set(threading.enumerate())
+    proc, ready = start_producer_process(name, batches, delay=0.05)
+    with reaped(proc):
+        pid = ready.get(timeout=60)
+        consumer = Consumer(name=name, timeout=timeout)
+        try:
+            stopped_at = None
+            with pytest.raises(ProducerLost, match="no message") as lost:
+                for index, batch in enumerate(consumer):
+                    assert same(batch, expected_batch(index, batches))
+                    if index == 2:
+                        os.kill(pid, signal.SIGSTOP)
+                        stopped_at = time.monotonic()
+            elapsed = time.monotonic() - stopped_at
+        finally:
+            consumer.close()
+        assert stopped_at is not None
+        # Alive but silent: only the silence timeout can notice it, never sooner.
+        assert timeout - 0.5 <= elapsed < timeout + 1.0, f"ProducerLost after {elapsed:.2f} s"
+        assert consumer.endpoint in str(lost.value)
+        assert tensorsocket_threads(threads) == []
+
+
+def test_consumer_without_producer_times_out_naming_the_endpoint(name):
+    warm_up_zmq()
+    threads, fds = set(threading.enumerate()), open_fds()
+    t0 = time.monotonic()
+    with pytest.raises(ProducerLost) as lost:
+        Consumer(name=name, timeout=0.5)
+    elapsed = time.monotonic() - t0
+    assert 0.45 <= elapsed < 2.0, elapsed
+    message = str(lost.value)
+    assert f"{name}.sock" in message and "ipc://" in message and "0.5 s" in message
+    assert tensorsocket_threads(threads) == []
+    # Nothing to close and nothing left open: no "was not closed" warning, no leaked fds.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del lost
+        gc.collect()
+    assert [w for w in caught if issubclass(w.category, ResourceWarning)] == []
+    assert open_fds() <= fds
+
+
+def test_consumer_closing_mid_epoch_leaves_at_once(name):
+    batches = 6
+    results = SPAWN.Queue()
+    other = SPAWN.Process(target=run_consumer, args=(name, EPOCHS, batches, results))
+    producer = Producer(NestedLoader(batches), name=name, slots=3, min_consumers=2)
+    with reaped(other), serving(producer, EPOCHS) as (server, errors):
+        consumer = Consumer(name=name, timeout=10)  # silence alone would take 10 s to notice
+        try:
+            for index, batch in enumerate(consumer):
+                assert same(batch, expected_batch(index, batches))
+                if index == 1:
+                    break
+            del batch
+            t0 = time.monotonic()
+            consumer.close()
+            closed = time.monotonic() - t0
+        finally:
+            consumer.close()
+        assert closed < 1.0, f"close() took {closed:.2f} s"
+        deadline = time.monotonic() + 5
+        while len(remaining := producer.status()["consumers"]) != 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        left_after = time.monotonic() - t0
+        assert [c["pid"] for c in remaining] == [other.pid]
+        assert left_after < 1.0, f"the producer noticed the close after {left_after:.2f} s"
+        report = results.get(timeout=60)
+        server.join(timeout=30)
+        assert not server.is_alive() and errors == []
+    assert_exact(report, batches)
+
+
+def test_normal_run_leaks_nothing(name):
+    batches = 4
+    pid = os.getpid()
+    assert shm_segments(pid) == []
+    warm_up_zmq()
+    threads, fds = set(threading.enumerate()), open_fds()
+    producer = Producer(NestedLoader(batches), name=name, slots=2)
+    with serving(producer, 1) as (server, errors):
+        with Consumer(name=name, timeout=10) as consumer:
+            got = [index for index, batch in enumerate(consumer) if same(batch, expected_batch(index, batches))]
+            assert got == list(range(batches))
+            assert list(consumer) == [] and consumer.finished
+        server.join(timeout=30)
+        assert not server.is_alive() and errors == []
+    del consumer, producer
+    gc.collect()
+    assert shm_segments(pid) == []
+    assert tensorsocket_threads(threads) == []
+    assert open_fds() <= fds  # sockets, wake-up pipes, lock file and mappings all closed
+    again = Producer(NestedLoader(1), name=name)  # the name's lock was released
+    again.close()
+    assert shm_segments(pid) == []
+
+
+def test_second_producer_on_a_served_name_is_refused(name):
+    batches = 3
+    producer = Producer(NestedLoader(batches), name=name, slots=2)
+    with serving(producer, 1) as (server, errors):
+        with pytest.raises(RuntimeError, match="already serving") as refused:
+            Producer(NestedLoader(batches), name=name)
+        assert str(os.getpid()) in str(refused.value)
+        # The refused one disturbed nothing: the first still serves its whole epoch.
+        with Consumer(name=name, timeout=10) as consumer:
+            assert [same(b, expected_batch(i, batches)) for i, b in enumerate(consumer)] == [True] * batches
+        server.join(timeout=30)
+        assert not server.is_alive() and errors == []
+
+
+def test_second_producer_on_a_bound_tcp_port_is_refused_without_leaking():
+    with Producer(NestedLoader(1), endpoint="tcp://127.0.0.1:*") as producer:
+        fds = open_fds()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                with pytest.raises(RuntimeError, match="cannot bind"):
+                    Producer(NestedLoader(1), endpoint=producer.endpoint)
+            gc.collect()
+        assert [w for w in caught if issubclass(w.category, ResourceWarning)] == []
+        assert open_fds() <= fds
+
+
+def test_stopped_consumer_is_evicted_after_its_timeout_and_the_other_stays_exact(name):
+    batches, timeout = 6, 1.0
+    results = SPAWN.Queue()
+    victim = SPAWN.Process(target=run_consumer, args=(name, EPOCHS, batches, results),
+                           kwargs={"options": {"timeout": timeout}})
+    producer = Producer(NestedLoader(batches), name=name, slots=3, min_consumers=2)
+    with reaped(victim), serving(producer, EPOCHS) as (server, errors):
+        consumer = Consumer(name=name, timeout=10)
+        try:
+            seen = []
+            for epoch in range(EPOCHS):
+                for index, batch in enumerate(consumer):
+                    assert same(batch, expected_batch(index, batches))
+                    seen.append((epoch, index))
+                    if not seen[1:]:  # after our first batch: stop the victim holding slots
+                        deadline = time.monotonic() + 60
+                        while time.monotonic() < deadline:
+                            mine = [c for c in producer.status()["consumers"] if c["pid"] == victim.pid]
+                            if mine and mine[0]["held"] >= 2:
+                                break
+                            time.sleep(0.005)
+                        os.kill(victim.pid, signal.SIGSTOP)
+                        stopped_at = time.monotonic()
+                        while any(c["pid"] == victim.pid for c in producer.status()["consumers"]):
+                            assert time.monotonic() - stopped_at < 10, "the stopped consumer was never evicted"
+                            time.sleep(0.005)
+                        evicted_after = time.monotonic() - stopped_at
+            assert list(consumer) == [] and consumer.finished
+        finally:
+            consumer.close()
+        server.join(timeout=30)
+        assert not server.is_alive() and errors == []
+        # Alive (its pid is watched, but stopped counts as alive) and silent: the timeout decides.
+        assert timeout - 0.5 <= evicted_after < timeout + 1.0, f"evicted after {evicted_after:.2f} s"
+        assert seen == [(e, i) for e in range(EPOCHS) for i in range(batches)]
+        os.kill(victim.pid, signal.SIGCONT)
+        report = results.get(timeout=30)
+        victim.join(timeout=10)
+        assert victim.exitcode == 0
+    # Back from the freeze it raises instead of blocking (which error depends on what it reads
+    # first: EVICTED, its own silence clock, or a batch whose segment is already unlinked).
+    assert report["error"] is not None
+    # (Batches it took after the freeze may show later data: eviction dropped its holds.)
+    assert report["seen"] == [(0, i) for i in range(len(report["seen"]))]
+
+
+def test_evicted_consumer_never_yields_the_batches_it_had_queued(name):
+    """Its holds were dropped and their slots reused by the time it hears EVICTED: the batches
+    still in its queue show other data, so it must raise Evicted instead of yielding them.
+    White box: a consumer whose heartbeat never fires stands in for a frozen process."""
+    batches = 6
+    producer = Producer(NestedLoader(batches), name=name, slots=3, min_consumers=2)
+    with serving(producer, 1) as (server, errors):
+        silent = Consumer(name=name, timeout=0.5)
+        silent._heartbeat = 3600.0  # says nothing, so the producer evicts it after 0.5 s
+        try:
+            with Consumer(name=name, timeout=10) as other:
+                # Blocked behind the silent one's 3 held slots until it is evicted.
+                assert [same(b, expected_batch(i, batches)) for i, b in enumerate(other)] == [True] * batches
+            server.join(timeout=30)
+            assert not server.is_alive() and errors == []
+            # Its queued batches 0-2 sit in slots that now hold batches 3-5.
+            with pytest.raises(Evicted):
+                next(iter(silent))
+        finally:
+            silent.close()
