@@ -34,8 +34,12 @@ def _serve(name: str, batch_bytes: int, batches: int) -> None:
 
 def _percentiles(samples: list[float]) -> dict[str, float]:
     s = sorted(samples)
-    return {"p50_us": round(statistics.median(s) * 1e6, 1), "p90_us": round(s[int(0.9 * (len(s) - 1))] * 1e6, 1),
-            "p99_us": round(s[int(0.99 * (len(s) - 1))] * 1e6, 1), "n": len(s)}
+    return {
+        "p50_us": round(statistics.median(s) * 1e6, 1),
+        "p90_us": round(s[int(0.9 * (len(s) - 1))] * 1e6, 1),
+        "p99_us": round(s[int(0.99 * (len(s) - 1))] * 1e6, 1),
+        "n": len(s),
+    }
 
 
 def measure_consumer(batch_bytes: int, batches: int, step_s: float, warmup: int = 8) -> dict[str, Any]:
@@ -90,8 +94,13 @@ def run(sizes_mib: tuple[int, ...] = (1, 64), batches: int = 60, step_ms: float 
         "benchmark": "consumer_overhead",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": {"host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__},
-        "config": {"batches": batches, "step_ms": step_ms, "sizes_mib": list(sizes_mib), "slots": 8,
-                   "warmup_batches_excluded": 8},
+        "config": {
+            "batches": batches,
+            "step_ms": step_ms,
+            "sizes_mib": list(sizes_mib),
+            "slots": 8,
+            "warmup_batches_excluded": 8,
+        },
         "sizes": {},
     }
     for mib in sizes_mib:
@@ -103,9 +112,11 @@ def run(sizes_mib: tuple[int, ...] = (1, 64), batches: int = 60, step_ms: float 
             "floor": floor,
             "p50_over_floor": round(consumer["p50_us"] / floor["after_step"]["p50_us"], 2),
         }
-        print(f"{mib:>4} MiB: next() p50 {consumer['p50_us']:7.1f} us  p99 {consumer['p99_us']:8.1f} us | "
-              f"floor p50 {floor['after_step']['p50_us']:6.1f} us (hot {floor['hot_loop']['p50_us']:.1f} us) | "
-              f"ratio {result['sizes'][f'{mib}MiB']['p50_over_floor']:.2f}x")
+        print(
+            f"{mib:>4} MiB: next() p50 {consumer['p50_us']:7.1f} us  p99 {consumer['p99_us']:8.1f} us | "
+            f"floor p50 {floor['after_step']['p50_us']:6.1f} us (hot {floor['hot_loop']['p50_us']:.1f} us) | "
+            f"ratio {result['sizes'][f'{mib}MiB']['p50_over_floor']:.2f}x"
+        )
     return result
 
 

@@ -41,6 +41,7 @@ def _train(batches: Any, epochs: int, step_s: float) -> dict[str, Any]:
     """Consume ``epochs`` epochs of ``batches`` with a simulated step; return the rate."""
     samples = counted = 0
     start = None
+    cpu0 = time.process_time()
     per_epoch = []
     for _ in range(epochs):
         n = 0
@@ -56,8 +57,13 @@ def _train(batches: Any, epochs: int, step_s: float) -> dict[str, Any]:
             counted += 1
         per_epoch.append(n)
     elapsed = time.perf_counter() - (start or time.perf_counter())
-    return {"samples_per_s": samples / elapsed if elapsed else 0.0, "batches": counted,
-            "batches_per_epoch": per_epoch, "seconds": elapsed}
+    return {
+        "samples_per_s": samples / elapsed if elapsed else 0.0,
+        "batches": counted,
+        "batches_per_epoch": per_epoch,
+        "seconds": elapsed,
+        "main_process_cpu_s": time.process_time() - cpu0,
+    }
 
 
 def _own_loader_trainer(root: str, workers: int, epochs: int, step_s: float, out: Any) -> None:
@@ -76,18 +82,29 @@ def _consumer_trainer(name: str, epochs: int, step_s: float, out: Any) -> None:
     out.put(report)
 
 
-def _producer(root: str, name: str, workers: int, epochs: int, consumers: int) -> None:
+def _producer(root: str, name: str, workers: int, epochs: int, consumers: int, out: Any) -> None:
     from tensorsocket import Producer
 
     torch.set_num_threads(1)
     loader = make_loader(root, batch_size=32, num_workers=workers)
-    Producer(loader, name=name, slots=8, min_consumers=consumers).serve(epochs=epochs)
+    producer = Producer(loader, name=name, slots=8, min_consumers=consumers)
+    cpu0 = time.process_time()
+    producer.serve(epochs=epochs)
+    status = producer.status()
+    out.put(
+        {
+            "producer": True,
+            "main_process_cpu_s": time.process_time() - cpu0,
+            **{k: status[k] for k in ("published", "loader_wait", "publish_time", "slot_bytes")},
+        }
+    )
 
 
-def _run(targets: list[tuple[Any, tuple[Any, ...]]], reporters: int, timeout: float) -> list[dict[str, Any]]:
+def _run(targets: list[tuple[Any, tuple[Any, ...]]], timeout: float) -> list[dict[str, Any]]:
+    """Run every target in its own process; each puts one report on the queue it is given."""
     out = SPAWN.Queue()
-    procs = [SPAWN.Process(target=t, args=(*args, out) if i < reporters else args)
-             for i, (t, args) in enumerate(targets)]
+    reporters = len(targets)
+    procs = [SPAWN.Process(target=t, args=(*args, out)) for t, args in targets]
     for p in procs:
         p.start()
     try:
@@ -99,9 +116,16 @@ def _run(targets: list[tuple[Any, tuple[Any, ...]]], reporters: int, timeout: fl
                 p.kill()
 
 
-def run(trainers: int = 4, step_ms: float = 10.0, images: int = 512, epochs: int = 2,
-        workers: int = 2, data: Path | None = None, modes: tuple[str, ...] = ("single", "independent", "shared"),
-        log: Any = print) -> dict[str, Any]:
+def run(
+    trainers: int = 4,
+    step_ms: float = 10.0,
+    images: int = 1024,
+    epochs: int = 2,
+    workers: int = 2,
+    data: Path | None = None,
+    modes: tuple[str, ...] = ("single", "independent", "shared"),
+    log: Any = print,
+) -> dict[str, Any]:
     """Run the benchmark; return every figure (and what the run was) as a dict."""
     data = data or ROOT / "data" / f"jpeg-{images}"
     t0 = time.perf_counter()
@@ -112,27 +136,32 @@ def run(trainers: int = 4, step_ms: float = 10.0, images: int = 512, epochs: int
     result: dict[str, Any] = {}
     if "single" in modes:
         log("single: one trainer, its own DataLoader ...")
-        result["single"] = _run([(_own_loader_trainer, (root, workers, epochs, step_s))], 1, timeout)
+        result["single"] = _run([(_own_loader_trainer, (root, workers, epochs, step_s))], timeout)
     if "independent" in modes:
         log(f"independent: {trainers} trainers, each its own DataLoader ...")
         result["independent"] = _run(
-            [(_own_loader_trainer, (root, workers, epochs, step_s))] * trainers, trainers, timeout)
+            [(_own_loader_trainer, (root, workers, epochs, step_s))] * trainers, timeout
+        )
     if "shared" in modes:
         log(f"shared: one tensorsocket producer, {trainers} consumers ...")
         name = f"bench-{uuid.uuid4().hex[:8]}"
         targets = [(_consumer_trainer, (name, epochs, step_s))] * trainers
         targets.append((_producer, (root, name, workers, epochs, trainers)))
-        shared = _run(targets, trainers, timeout)
+        reports = _run(targets, timeout)
+        result["producer"] = [r for r in reports if r.get("producer")]
+        shared = [r for r in reports if not r.get("producer")]
         expected = -(-images // 32)
         for r in shared:
             r["exact"] = r["batches_per_epoch"] == [expected] * epochs and r["len"] == expected
         result["shared"] = shared
 
     def mean(mode: str) -> float:
+        if mode == "producer":
+            return float("nan")
         rates = [r["samples_per_s"] for r in result.get(mode, [])]
         return sum(rates) / len(rates) if rates else float("nan")
 
-    summary = {mode: round(mean(mode), 1) for mode in result}
+    summary = {mode: round(mean(mode), 1) for mode in result if mode != "producer"}
     if "shared" in result and "independent" in result:
         summary["shared_over_independent"] = round(mean("shared") / mean("independent"), 2)
     if "shared" in result and "single" in result:
@@ -140,10 +169,22 @@ def run(trainers: int = 4, step_ms: float = 10.0, images: int = 512, epochs: int
     return {
         "benchmark": "sharing",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                    "torch": torch.__version__, "platform": platform.platform()},
-        "config": {"trainers": trainers, "step_ms": step_ms, "images": images, "epochs": epochs,
-                   "batch_size": 32, "image_size": 224, "workers_per_loader": workers},
+        "machine": {
+            "host": platform.node(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "platform": platform.platform(),
+        },
+        "config": {
+            "trainers": trainers,
+            "step_ms": step_ms,
+            "images": images,
+            "epochs": epochs,
+            "batch_size": 32,
+            "image_size": 224,
+            "workers_per_loader": workers,
+        },
         "per_trainer_samples_per_s": summary,
         "runs": result,
     }
@@ -161,7 +202,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--trainers", type=int, default=4)
     parser.add_argument("--step-ms", type=float, default=10.0)
-    parser.add_argument("--images", type=int, default=512)
+    parser.add_argument(
+        "--images",
+        type=int,
+        default=1024,
+        help="32 batches per epoch: short epochs measure the drain at each epoch end",
+    )
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers per loader")
     parser.add_argument("--no-write", action="store_true")

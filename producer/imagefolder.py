@@ -56,9 +56,7 @@ def _hsv_to_rgb(h: float, s: float, v: float) -> np.ndarray:
     return np.array(rgb, dtype=np.float32) * 255.0
 
 
-def _render(
-    rng: np.random.Generator, label: int, classes: int, size: tuple[int, int]
-) -> Image.Image:
+def _render(rng: np.random.Generator, label: int, classes: int, size: tuple[int, int]) -> Image.Image:
     """One synthetic photo-like image: gradient + shapes + sensor-like noise."""
     base_w, base_h = size
     w = max(16, int(base_w * rng.uniform(0.75, 1.25)))
@@ -89,10 +87,7 @@ def _render(
         elif kind == 1:
             draw.rectangle((x0, y0, x1, y1), fill=fill)
         else:
-            points = [
-                (rng.uniform(x0, x1), rng.uniform(y0, y1))
-                for _ in range(int(rng.integers(3, 7)))
-            ]
+            points = [(rng.uniform(x0, x1), rng.uniform(y0, y1)) for _ in range(int(rng.integers(3, 7)))]
             draw.polygon(points, fill=fill)
 
     arr = np.asarray(img, dtype=np.int16)
@@ -116,13 +111,9 @@ def make_dataset(
     The marker is written last, so an interrupted run is simply redone.
     """
     if count < 1 or classes < 1:
-        raise ValueError(
-            f"count and classes must be >= 1, got count={count}, classes={classes}"
-        )
+        raise ValueError(f"count and classes must be >= 1, got count={count}, classes={classes}")
     if len(size) != 2 or min(size) < 16:
-        raise ValueError(
-            f"size must be (width, height) of at least 16 pixels, got {size}"
-        )
+        raise ValueError(f"size must be (width, height) of at least 16 pixels, got {size}")
     root = Path(root)
     spec = {
         "version": _MARKER_VERSION,
@@ -191,9 +182,7 @@ def _random_resized_crop_box(
     return left, top, left + w, top + h
 
 
-def _center_crop_box(
-    width: int, height: int, crop_fraction: float
-) -> tuple[int, int, int, int]:
+def _center_crop_box(width: int, height: int, crop_fraction: float) -> tuple[int, int, int, int]:
     """Central square covering ``crop_fraction`` of the shorter side (resize 256 → crop 224)."""
     side = round(min(width, height) * crop_fraction)
     left, top = (width - side) // 2, (height - side) // 2
@@ -224,9 +213,7 @@ class ImageFolderDataset(Dataset[tuple[torch.Tensor, int]]):
     ) -> None:
         self.root = Path(root)
         if not self.root.is_dir():
-            raise ValueError(
-                f"{self.root} is not a directory; create it with make_dataset()"
-            )
+            raise ValueError(f"{self.root} is not a directory; create it with make_dataset()")
         self.classes = sorted(p.name for p in self.root.iterdir() if p.is_dir())
         self.samples: list[tuple[str, int]] = [
             (str(path), label)
@@ -235,9 +222,7 @@ class ImageFolderDataset(Dataset[tuple[torch.Tensor, int]]):
             if path.suffix.lower() in _EXTENSIONS
         ]
         if not self.samples:
-            raise ValueError(
-                f"no images with extensions {_EXTENSIONS} under {self.root}/<class>/"
-            )
+            raise ValueError(f"no images with extensions {_EXTENSIONS} under {self.root}/<class>/")
         self.train = train
         self.out_size = out_size
         self.rng = random.Random(seed)
@@ -259,9 +244,7 @@ class ImageFolderDataset(Dataset[tuple[torch.Tensor, int]]):
         else:
             box = _center_crop_box(width, height, 224 / 256)
         # resize(box=...) crops and resamples in one pass.
-        img = img.resize(
-            (self.out_size, self.out_size), Image.Resampling.BILINEAR, box=box
-        )
+        img = img.resize((self.out_size, self.out_size), Image.Resampling.BILINEAR, box=box)
         if self.train and self.rng.random() < 0.5:
             img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         return self._to_tensor(img), label
@@ -316,9 +299,7 @@ def make_loader(
 # --------------------------------------------------------------------------- measurement
 
 
-def _rate(
-    loader: DataLoader[tuple[torch.Tensor, int]], seconds: float
-) -> tuple[float, float, int]:
+def _rate(loader: DataLoader[tuple[torch.Tensor, int]], seconds: float) -> tuple[float, float, int]:
     """Return (time to first batch, samples/s after it, samples) over about ``seconds``."""
     start = time.perf_counter()
     it = iter(loader)
@@ -339,15 +320,11 @@ def _rate(
 def _main() -> None:
     import argparse
 
-    parser = argparse.ArgumentParser(
-        description="Measure the JPEG decode + augment pipeline."
-    )
+    parser = argparse.ArgumentParser(description="Measure the JPEG decode + augment pipeline.")
     parser.add_argument("--root", help="dataset folder (default: a temporary one)")
     parser.add_argument("--count", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument(
-        "--seconds", type=float, default=10.0, help="total measuring time"
-    )
+    parser.add_argument("--seconds", type=float, default=10.0, help="total measuring time")
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 2])
     args = parser.parse_args()
 
@@ -355,9 +332,7 @@ def _main() -> None:
         root = Path(args.root) if args.root else Path(tmp)
         start = time.perf_counter()
         make_dataset(root, count=args.count)
-        print(
-            f"dataset: {args.count} images in {root} ready in {time.perf_counter() - start:.2f} s"
-        )
+        print(f"dataset: {args.count} images in {root} ready in {time.perf_counter() - start:.2f} s")
         # As in DataLoader workers; keeps the num_workers=0 figure a per-core one.
         torch.set_num_threads(1)
         for workers in args.workers:

@@ -1,6 +1,6 @@
 """Serve the synthetic pipeline under a name: the producer half of the README quick start.
 
-    python3 producer/serve_synthetic.py --name quickstart --consumers 2 --epochs 2
+python3 producer/serve_synthetic.py --name quickstart --consumers 2 --epochs 2
 """
 
 from __future__ import annotations

@@ -59,9 +59,7 @@ def _pattern(seed: int) -> torch.Tensor:
     return torch.randint(0, 256, (2 * _PERIOD,), dtype=torch.uint8, generator=gen)
 
 
-def _check_params(
-    batch_bytes: int, batch_size: int, batches: int | None = None
-) -> None:
+def _check_params(batch_bytes: int, batch_size: int, batches: int | None = None) -> None:
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if batch_bytes < batch_size:
@@ -73,9 +71,7 @@ def _check_params(
         raise ValueError(f"batches must be >= 0, got {batches}")
 
 
-def expected_batch(
-    index: int, batch_bytes: int = 1 << 20, batch_size: int = 32, seed: int = 0
-) -> Batch:
+def expected_batch(index: int, batch_bytes: int = 1 << 20, batch_size: int = 32, seed: int = 0) -> Batch:
     """Return batch ``index`` exactly as :class:`SyntheticLoader` yields it.
 
     ``images`` is a fresh contiguous uint8 tensor of shape
@@ -86,13 +82,9 @@ def expected_batch(
     if index < 0:
         raise ValueError(f"index must be >= 0, got {index}")
     row_bytes = batch_bytes // batch_size
-    gen = torch.Generator().manual_seed(
-        _splitmix64((seed * 0x100000001B3 + index) & _MASK64)
-    )
+    gen = torch.Generator().manual_seed(_splitmix64((seed * 0x100000001B3 + index) & _MASK64))
     offsets = torch.randint(0, _PERIOD, (batch_size,), generator=gen).tolist()
-    labels = torch.randint(
-        0, NUM_CLASSES, (batch_size,), generator=gen, dtype=torch.int64
-    )
+    labels = torch.randint(0, NUM_CLASSES, (batch_size,), generator=gen, dtype=torch.int64)
 
     pattern = _pattern(seed)
     images = torch.empty((batch_size, row_bytes), dtype=torch.uint8)
@@ -117,9 +109,7 @@ def read_header(images: torch.Tensor) -> list[tuple[int, int]]:
     Rows shorter than 16 bytes carry no complete header; they raise ``ValueError``.
     """
     if images.dim() != 2 or images.dtype != torch.uint8:
-        raise ValueError(
-            f"expected a 2-D uint8 tensor, got {images.dtype} {tuple(images.shape)}"
-        )
+        raise ValueError(f"expected a 2-D uint8 tensor, got {images.dtype} {tuple(images.shape)}")
     if images.shape[1] < HEADER_BYTES:
         raise ValueError(f"rows of {images.shape[1]} bytes are too short for a header")
     words = images[:, :HEADER_BYTES].cpu().contiguous().view(torch.int64)
@@ -139,9 +129,7 @@ def verify_batch(
     ``None`` when the batch is bit-exact.
     """
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-        raise ValueError(
-            f"batch {index}: expected (images, labels), got {type(batch).__name__}"
-        )
+        raise ValueError(f"batch {index}: expected (images, labels), got {type(batch).__name__}")
     images, labels = batch
     want_images, want_labels = expected_batch(index, batch_bytes, batch_size, seed)
     for name, got, want in (
@@ -149,9 +137,7 @@ def verify_batch(
         ("labels", labels, want_labels),
     ):
         if not isinstance(got, torch.Tensor):
-            raise TypeError(
-                f"batch {index}: {name} is {type(got).__name__}, not a tensor"
-            )
+            raise TypeError(f"batch {index}: {name} is {type(got).__name__}, not a tensor")
         if got.dtype != want.dtype or got.shape != want.shape:
             raise ValueError(
                 f"batch {index}: {name} is {got.dtype} {tuple(got.shape)}, "
@@ -163,9 +149,7 @@ def verify_batch(
             detail = ""
             if name == "images" and got.shape[1] >= HEADER_BYTES:
                 detail = f"; row {where[0]} header says (index, row) = {read_header(got)[where[0]]}"
-            raise ValueError(
-                f"batch {index}: {name} differ first at {tuple(where)}{detail}"
-            )
+            raise ValueError(f"batch {index}: {name} differ first at {tuple(where)}{detail}")
 
 
 class SyntheticLoader:

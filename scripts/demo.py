@@ -21,11 +21,12 @@ from benchmarks.sharing import run  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser(description="tensorsocket demo")
     parser.add_argument("--trainers", type=int, default=3)
-    parser.add_argument("--images", type=int, default=256)
+    parser.add_argument("--images", type=int, default=512)
     parser.add_argument("--epochs", type=int, default=2)
     args = parser.parse_args()
-    result = run(trainers=args.trainers, images=args.images, epochs=args.epochs,
-                 modes=("independent", "shared"))
+    result = run(
+        trainers=args.trainers, images=args.images, epochs=args.epochs, modes=("independent", "shared")
+    )
     runs, summary = result["runs"], result["per_trainer_samples_per_s"]
     print()
     print(f"{args.trainers} trainers, each a 10 ms simulated GPU step, JPEG decode + augment, batch 32:")

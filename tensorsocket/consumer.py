@@ -213,6 +213,10 @@ class Consumer:
             except queue.Empty:
                 pass
             if not self._io.is_alive():
+                try:  # what it queued just before it stopped (the reason) comes first
+                    return self._queue.get_nowait()
+                except queue.Empty:
+                    pass
                 self._check_open()
                 raise ProducerLost(f"the consumer's I/O thread for {self.endpoint} stopped")
             self._check_hoarding()
@@ -304,11 +308,15 @@ class Consumer:
                     self._send(protocol.encode(Kind.HEARTBEAT))
                     last_sent = now
                 if self._producer_local and not pid_alive(self._producer_pid):
-                    self._fail(ProducerLost(f"the producer at {self.endpoint} (pid {self._producer_pid}) died"))
+                    self._fail(
+                        ProducerLost(f"the producer at {self.endpoint} (pid {self._producer_pid}) died")
+                    )
                     return
                 if now - last_seen > self.timeout:
                     self._fail(
-                        ProducerLost(f"no message from the producer at {self.endpoint} for {self.timeout:g} s")
+                        ProducerLost(
+                            f"no message from the producer at {self.endpoint} for {self.timeout:g} s"
+                        )
                     )
                     return
             self._send_releases()
@@ -355,7 +363,9 @@ class Consumer:
                     # no slot is reused, so the queued batches stay valid.
                     continue
                 elif kind is Kind.EVICTED:
-                    evicted = Evicted(f"the producer at {self.endpoint} evicted this consumer: {msg['reason']}")
+                    evicted = Evicted(
+                        f"the producer at {self.endpoint} evicted this consumer: {msg['reason']}"
+                    )
                     if not self._stream_over:  # mid-stream, our queued batches' slots get reused
                         self._error = evicted  # so never yield them (after END nothing is reused)
                     self._fail(evicted)

@@ -25,7 +25,9 @@ def runtime_dir() -> Path:
     replaced by another user.
     """
     base = os.environ.get("XDG_RUNTIME_DIR")
-    path = Path(base) / "tensorsocket" if base else Path(tempfile.gettempdir()) / f"tensorsocket-{os.getuid()}"
+    path = (
+        Path(base) / "tensorsocket" if base else Path(tempfile.gettempdir()) / f"tensorsocket-{os.getuid()}"
+    )
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     st = path.lstat()
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
@@ -56,11 +58,15 @@ def resolve(name: str | None = None, endpoint: str | None = None) -> str:
             )
         path = runtime_dir() / f"{name}.sock"
         if len(str(path)) > _IPC_PATH_MAX:
-            raise ValueError(f"ipc path {path} is longer than {_IPC_PATH_MAX} bytes; use a shorter name or XDG_RUNTIME_DIR")
+            raise ValueError(
+                f"ipc path {path} is longer than {_IPC_PATH_MAX} bytes; use a shorter name or XDG_RUNTIME_DIR"
+            )
         return f"ipc://{path}"
     assert endpoint is not None
     if not isinstance(endpoint, str):
-        raise ValueError(f"endpoint must be a string like 'ipc:///path' or 'tcp://127.0.0.1:5555', got {endpoint!r}")
+        raise ValueError(
+            f"endpoint must be a string like 'ipc:///path' or 'tcp://127.0.0.1:5555', got {endpoint!r}"
+        )
     if endpoint.startswith("ipc://"):
         if len(endpoint) - 6 > _IPC_PATH_MAX or len(endpoint) == 6:
             raise ValueError(f"endpoint {endpoint!r}: the ipc path must be 1-{_IPC_PATH_MAX} bytes")

@@ -122,8 +122,10 @@ def plan(batch: Any) -> Plan:
         if isinstance(node, dict):
             items = []
             for key, child in node.items():
-                if not isinstance(key, (str, int)) or isinstance(key, bool) or (
-                    isinstance(key, int) and not -(2**63) <= key < 2**64
+                if (
+                    not isinstance(key, (str, int))
+                    or isinstance(key, bool)
+                    or (isinstance(key, int) and not -(2**63) <= key < 2**64)
                 ):
                     raise TypeError(
                         f"batch dict at {path} has key {key!r}; only str and int keys are supported"

@@ -38,6 +38,7 @@ log = logging.getLogger("tensorsocket")
 class _Closed(TensorSocketError):
     """The producer was closed (possibly from another thread) while the caller waited."""
 
+
 _TICK = 0.05  # seconds between liveness checks in the I/O loop
 _MAX_HEARTBEAT = 1.0
 
@@ -431,7 +432,10 @@ class Producer:
                 "%s reports batch %d (epoch %d, index %d) changed in shared memory while it held it: "
                 "an in-place op on a shared batch corrupts every consumer's data; use copy=True "
                 "or out-of-place ops",
-                peer.describe(), msg["seq"], msg["epoch"], msg["index"],
+                peer.describe(),
+                msg["seq"],
+                msg["epoch"],
+                msg["index"],
             )
         elif kind is not Kind.HEARTBEAT:
             raise ProtocolError(f"a consumer may not send {kind.value} messages")

@@ -80,9 +80,17 @@ def same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def run_consumer(name: str, epochs: int, batches: int, results: Any, batch_size: int = 8,
-                 kill_after: int | None = None, step: float = 0.0, hold: int = 0,
-                 options: dict[str, Any] | None = None) -> None:
+def run_consumer(
+    name: str,
+    epochs: int,
+    batches: int,
+    results: Any,
+    batch_size: int = 8,
+    kill_after: int | None = None,
+    step: float = 0.0,
+    hold: int = 0,
+    options: dict[str, Any] | None = None,
+) -> None:
     """Consumer process body: iterate ``epochs`` epochs, verify every batch, report.
 
     Reports ``{"pid", "seen": [(epoch, index)], "bad": [...], "len", "after_end", "finished"}``
@@ -128,8 +136,10 @@ def run_consumer(name: str, epochs: int, batches: int, results: Any, batch_size:
 
 def start_consumers(name: str, n: int, epochs: int, batches: int, **kwargs: Any) -> tuple[list[Any], Any]:
     results = SPAWN.Queue()
-    procs = [SPAWN.Process(target=run_consumer, args=(name, epochs, batches, results), kwargs=kwargs)
-             for _ in range(n)]
+    procs = [
+        SPAWN.Process(target=run_consumer, args=(name, epochs, batches, results), kwargs=kwargs)
+        for _ in range(n)
+    ]
     for p in procs:
         p.start()
     return procs, results
@@ -156,8 +166,9 @@ def join_or_fail(thread: Any, timeout: float = 30.0) -> None:
     assert not thread.is_alive(), f"thread {thread.name} did not finish within {timeout} s"
 
 
-def run_consumer_and_die(name: str, batches: int, results: Any, kill_after: int,
-                         options: dict[str, Any] | None = None) -> None:
+def run_consumer_and_die(
+    name: str, batches: int, results: Any, kill_after: int, options: dict[str, Any] | None = None
+) -> None:
     """Consumer process body: take ``kill_after`` batches of epoch 0, keep every one of them
     alive, report ``{"pid", "killed_at", "held", "bad"}`` and SIGKILL itself while holding
     them. The report is flushed before the kill (a plain ``Queue.put`` is sent by a feeder
@@ -178,8 +189,9 @@ def run_consumer_and_die(name: str, batches: int, results: Any, kill_after: int,
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def serve_producer(name: str, batches: int, ready: Any, delay: float = 0.0, slots: int = 3,
-                   epochs: int | None = None) -> None:
+def serve_producer(
+    name: str, batches: int, ready: Any, delay: float = 0.0, slots: int = 3, epochs: int | None = None
+) -> None:
     """Producer process body: serve ``NestedLoader(batches, delay=delay)`` for ``epochs``
     epochs (None: forever); put this process's pid on ``ready`` once it is bound."""
     from tensorsocket import Producer

@@ -220,7 +220,7 @@ def test_unshareable_leaf_raises_from_the_producer_loop_too(name):
 def test_tcp_random_port_is_reported_and_reachable(endpoint):
     batches = 3
     with Producer(NestedLoader(batches), endpoint=endpoint) as producer:
-        host, _, port = producer.endpoint[len("tcp://"):].rpartition(":")
+        host, _, port = producer.endpoint[len("tcp://") :].rpartition(":")
         assert host == "127.0.0.1" and port.isdigit() and 0 < int(port) < 65536
         consumer = Consumer(endpoint=producer.endpoint, timeout=10)
         try:

@@ -215,13 +215,9 @@ class FlowMachine(RuleBasedStateMachine):
         cid = data.draw(st.sampled_from(sorted(self.consumers)), label="cid")
         m = self.consumers[cid]
         held = sorted(m.held)
-        chosen = (
-            data.draw(st.lists(st.sampled_from(held), unique=True), label="chosen") if held else []
-        )
+        chosen = data.draw(st.lists(st.sampled_from(held), unique=True), label="chosen") if held else []
         noise = data.draw(st.lists(st.integers(-2, self.next_seq + 2), max_size=3), label="noise")
-        dups = (
-            data.draw(st.lists(st.sampled_from(chosen), max_size=2), label="dups") if chosen else []
-        )
+        dups = data.draw(st.lists(st.sampled_from(chosen), max_size=2), label="dups") if chosen else []
         seqs = data.draw(st.permutations(chosen + noise + dups), label="seqs")
         for seq in {s for s in seqs if s in m.held}:
             slot = m.held.pop(seq)
@@ -342,9 +338,7 @@ class FlowMachine(RuleBasedStateMachine):
             for seq, slot in m.held.items():
                 assert self.memory.get(slot) == seq, ("a held batch was overwritten", slot, seq)
         for i in range(self.k):
-            expected = {
-                cid for cid, m in self.consumers.items() if m.held.get(self.memory.get(i)) == i
-            }
+            expected = {cid for cid, m in self.consumers.items() if m.held.get(self.memory.get(i)) == i}
             assert self.flow.holders(i) == expected, (i, self.flow.holders(i), expected)
 
     @invariant()

@@ -10,7 +10,7 @@ import signal
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import pytest
@@ -73,7 +73,7 @@ def serving(producer: Producer, epochs: int | None) -> Iterator[tuple[threading.
         thread.join(timeout=30)
 
 
-def tensorsocket_threads(before: set[threading.Thread] = frozenset()) -> list[str]:  # type: ignore[assignment]
+def tensorsocket_threads(before: Collection[threading.Thread] = ()) -> list[str]:
     """Live tensorsocket threads, other than those in ``before`` (left by other tests)."""
     return [t.name for t in threading.enumerate() if t.name.startswith("tensorsocket") and t not in before]
 
@@ -90,8 +90,15 @@ def warm_up_zmq() -> None:
     zmq.Context.instance().socket(zmq.DEALER).close()
 
 
-def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+def open_fds(settle: int | None = None) -> int:
+    """How many fds this process has open. With ``settle``, wait up to a second for the count
+    to drop to it: zmq closes a socket's connections in its own thread, after a linger."""
+    deadline = time.monotonic() + 1.0
+    while True:
+        count = len(os.listdir("/proc/self/fd"))
+        if settle is None or count <= settle or time.monotonic() > deadline:
+            return count
+        time.sleep(0.01)
 
 
 def start_producer_process(name: str, batches: int, delay: float) -> tuple[Any, Any]:
@@ -210,7 +217,7 @@ def test_consumer_without_producer_times_out_naming_the_endpoint(name):
         del lost
         gc.collect()
     assert [w for w in caught if issubclass(w.category, ResourceWarning)] == []
-    assert open_fds() <= fds
+    assert open_fds(settle=fds) <= fds
 
 
 def test_consumer_closing_mid_epoch_leaves_at_once(name):
@@ -262,7 +269,7 @@ def test_normal_run_leaks_nothing(name):
     gc.collect()
     assert shm_segments(pid) == []
     assert tensorsocket_threads(threads) == []
-    assert open_fds() <= fds  # sockets, wake-up pipes, lock file and mappings all closed
+    assert open_fds(settle=fds) <= fds  # sockets, wake-up pipes, lock file and mappings all closed
     again = Producer(NestedLoader(1), name=name)  # the name's lock was released
     again.close()
     assert shm_segments(pid) == []
@@ -292,14 +299,14 @@ def test_second_producer_on_a_bound_tcp_port_is_refused_without_leaking():
                     Producer(NestedLoader(1), endpoint=producer.endpoint)
             gc.collect()
         assert [w for w in caught if issubclass(w.category, ResourceWarning)] == []
-        assert open_fds() <= fds
+        assert open_fds(settle=fds) <= fds
 
 
 def test_stopped_consumer_is_evicted_after_its_timeout_and_the_other_stays_exact(name):
     batches, timeout = 6, 1.0
     results = SPAWN.Queue()
     victim = SPAWN.Process(target=run_consumer, args=(name, EPOCHS, batches, results),
-                           kwargs={"options": {"timeout": timeout}})
+                           kwargs={"hold": 2, "options": {"timeout": timeout}})
     producer = Producer(NestedLoader(batches), name=name, slots=3, min_consumers=2)
     with reaped(victim), serving(producer, EPOCHS) as (server, errors):
         consumer = Consumer(name=name, timeout=10)
@@ -310,11 +317,10 @@ def test_stopped_consumer_is_evicted_after_its_timeout_and_the_other_stays_exact
                     assert same(batch, expected_batch(index, batches))
                     seen.append((epoch, index))
                     if not seen[1:]:  # after our first batch: stop the victim holding slots
-                        deadline = time.monotonic() + 60
-                        while time.monotonic() < deadline:
-                            mine = [c for c in producer.status()["consumers"] if c["pid"] == victim.pid]
-                            if mine and mine[0]["held"] >= 2:
-                                break
+                        deadline = time.monotonic() + 30
+                        while not any(c["pid"] == victim.pid and c["held"] >= 2
+                                      for c in producer.status()["consumers"]):
+                            assert time.monotonic() < deadline, "the victim never held 2 batches"
                             time.sleep(0.005)
                         os.kill(victim.pid, signal.SIGSTOP)
                         stopped_at = time.monotonic()

@@ -198,7 +198,10 @@ def test_hostile_traffic_is_answered_and_a_real_consumer_is_served_exactly(name)
             except BaseException as exc:
                 served["error"] = exc
 
-        threads = [threading.Thread(target=consume, name="consume"), threading.Thread(target=serve, name="serve")]
+        threads = [
+            threading.Thread(target=consume, name="consume"),
+            threading.Thread(target=serve, name="serve"),
+        ]
         for t in threads:
             t.start()
         assert first_batch.wait(20)
@@ -218,7 +221,9 @@ def test_hostile_traffic_is_answered_and_a_real_consumer_is_served_exactly(name)
         # A wrong protocol version is refused, and the reason says which versions.
         reason = expect_error(raw, protocol.encode(Kind.HELLO, **hello(version=protocol.VERSION + 1)))
         expected_bad += 1
-        assert "protocol" in reason and str(protocol.VERSION + 1) in reason and str(protocol.VERSION) in reason
+        assert (
+            "protocol" in reason and str(protocol.VERSION + 1) in reason and str(protocol.VERSION) in reason
+        )
 
         # A consumer-bound message kind from a peer that is not a consumer: treated as a stranger.
         for frame in (
@@ -314,8 +319,13 @@ class FakeProducer:
     announcing ``arenas``, then sends ``frames``. Afterwards it records the kinds the
     consumer sends (``received``) and answers each kind in ``replies`` with that frame."""
 
-    def __init__(self, name: str, arenas: list[list[Any]], frames: list[bytes],
-                 replies: dict[Kind, bytes] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        arenas: list[list[Any]],
+        frames: list[bytes],
+        replies: dict[Kind, bytes] | None = None,
+    ) -> None:
         self.endpoint = resolve(name=name)
         self.socket = zmq.Context.instance().socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -335,8 +345,14 @@ class FakeProducer:
             cid, frame = self.socket.recv_multipart()
             assert protocol.decode(frame)[0] is Kind.HELLO
             welcome = protocol.encode(
-                Kind.WELCOME, pid=os.getpid(), boot_id=boot_id(), pidns=pid_namespace(),
-                batches=1, slots=1, arenas=self.arenas, heartbeat=0.1,
+                Kind.WELCOME,
+                pid=os.getpid(),
+                boot_id=boot_id(),
+                pidns=pid_namespace(),
+                batches=1,
+                slots=1,
+                arenas=self.arenas,
+                heartbeat=0.1,
             )
             protocol.decode(welcome, protocol.MAX_REPLY_BYTES)  # our WELCOME itself is valid
             self.socket.send_multipart([cid, welcome])
@@ -383,8 +399,9 @@ def batch(layout: Any, slot: int = 0, **override: Any) -> bytes:
     return protocol.encode(Kind.BATCH, **fields)
 
 
-def tensor_layout(dtype: str = "float32", shape: Any = (4,), offset: Any = 0, size: Any = 16,
-                  nbytes: Any = None) -> list[Any]:
+def tensor_layout(
+    dtype: str = "float32", shape: Any = (4,), offset: Any = 0, size: Any = 16, nbytes: Any = None
+) -> list[Any]:
     return [["t", 0], [[dtype, list(shape), offset, size]], size if nbytes is None else nbytes]
 
 
@@ -458,7 +475,8 @@ def test_garbage_layout_raises_protocol_error(name, segment, layout):
 BAD_ARENAS = {
     "announced bigger than the segment": (lambda seg, outside: [0, seg, 1 << 20], ProtocolError),
     "segment that does not exist": (
-        lambda seg, outside: [0, seg + "-gone", 4096], (ProtocolError, ProducerLost)
+        lambda seg, outside: [0, seg + "-gone", 4096],
+        (ProtocolError, ProducerLost),
     ),
     "name escaping /dev/shm": (lambda seg, outside: [0, "../.." + outside, 4096], ProtocolError),
     "absolute path as name": (lambda seg, outside: [0, outside, 4096], ProtocolError),

@@ -128,8 +128,7 @@ class SlotPool:
     def __init__(self, slots: int) -> None:
         if not os.path.isdir(SHM_DIR):
             raise RuntimeError(
-                f"{SHM_DIR} does not exist: the host shared-memory transport needs Linux "
-                "POSIX shared memory"
+                f"{SHM_DIR} does not exist: the host shared-memory transport needs Linux POSIX shared memory"
             )
         self.slots = slots
         self._token = secrets.token_hex(4)
