@@ -21,7 +21,7 @@ from benchmarks.sharing import run  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser(description="tensorsocket demo")
     parser.add_argument("--trainers", type=int, default=3)
-    parser.add_argument("--images", type=int, default=512)
+    parser.add_argument("--images", type=int, default=1024)
     parser.add_argument("--epochs", type=int, default=2)
     args = parser.parse_args()
     result = run(

@@ -204,8 +204,13 @@ class Producer:
                 self._end_stream(reason)
             deadline = time.monotonic() + self.linger
             self._wait(self._all_left, deadline, "consumers to finish")
-        except (TensorSocketError, RuntimeError):
-            pass
+        except TimeoutError:
+            log.warning(
+                "closing %s with %d consumer(s) not finished after linger=%g s; they get ProducerLost",
+                self.endpoint, len(self._peers), self.linger,
+            )
+        except TensorSocketError:
+            pass  # the I/O thread is already gone
         finally:
             self._closed = True
             self._stop.set()
@@ -276,6 +281,8 @@ class Producer:
         except BaseException:
             with self._changed:
                 self._flow.cancel(slot)
+            if self._closing:  # close() from another thread closed the pool under us
+                raise _Closed(f"producer on {self.endpoint} was closed") from None
             raise
         with self._changed:
             if self._flow.ended:  # closed while we wrote

@@ -156,3 +156,19 @@ def test_a_consumer_may_keep_tensors_after_close_and_producer_exit(name):
     server.join(timeout=10)
     assert not server.is_alive()
     assert torch.equal(batch, torch.arange(1000))  # the mapping outlives the unlink
+
+
+def test_close_with_a_stalled_consumer_gives_up_after_linger(name, caplog):
+    producer = Producer(NestedLoader(20), name=name, slots=2, linger=0.5)
+    server = serving(producer)
+    # Joins and never iterates; with prefetch=1 it cannot even be sent batch 1, so the END
+    # that close() appends can never reach it.
+    with Consumer(name=name, prefetch=1) as stalled:
+        assert wait_for(lambda: producer.status()["published"] == 2)
+        start = time.monotonic()
+        producer.close()
+        assert time.monotonic() - start < 3.0
+        assert "not finished after linger" in caplog.text
+        server.join(timeout=10)
+        assert not server.is_alive()
+        del stalled

@@ -83,7 +83,15 @@ def _map(path: str, size: int, create: bool) -> mmap.mmap:
     fd = os.open(path, flags, 0o600)
     try:
         if create:
-            os.ftruncate(fd, size)
+            # Reserve the pages now: on a full /dev/shm, ftruncate succeeds and the first
+            # write then kills the process with SIGBUS; this raises ENOSPC instead.
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                os.unlink(path)
+                raise OSError(
+                    exc.errno, f"cannot allocate {size} bytes of shared memory in {SHM_DIR}: {exc.strerror}"
+                ) from None
         elif os.fstat(fd).st_size < size:
             raise ValueError(f"shared-memory segment {path} is smaller than announced ({size} bytes)")
         # MAP_POPULATE: take the page faults now, once, instead of on the first write (in the
@@ -101,8 +109,11 @@ class _Arena:
         self.info = info
         self.path = os.path.join(SHM_DIR, info.name)
         self.mm = _map(self.path, info.size, create=True)
-        self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
+        # The tensor goes through NumPy on purpose: a NumPy array holds a buffer export, so
+        # mmap.close() refuses while any view lives; torch.frombuffer holds none, and an
+        # unmap under a live tensor is a segfault.
         self.array = np.frombuffer(self.mm, dtype=np.uint8)
+        self.tensor = torch.from_numpy(self.array)
 
     def close(self) -> None:
         # Drop our own views first; mmap.close() refuses while buffers are exported.
@@ -133,6 +144,7 @@ class SlotPool:
         self.slots = slots
         self._token = secrets.token_hex(4)
         self._arenas: dict[int, _Arena] = {}
+        self._closed = False
         self._generation = 0
         self.bytes = 0
 
@@ -141,6 +153,8 @@ class SlotPool:
 
     def prepare(self, slot: int, nbytes: int) -> ArenaInfo | None:
         """Make sure ``slot`` holds ``nbytes``; return the new arena's info if one was made."""
+        if self._closed:
+            raise RuntimeError("the slot pool is closed")
         current = self._arenas.get(slot)
         if current is not None and current.info.size >= nbytes:
             return None
@@ -159,12 +173,16 @@ class SlotPool:
 
     def write(self, slot: int, plan: layout.Plan) -> int:
         """Write a planned batch into ``slot`` (already prepared); return its fingerprint."""
+        if self._closed:
+            raise RuntimeError("the slot pool is closed")
         arena = self._arenas[slot]
         layout.write(plan, arena.tensor)
         return layout.fingerprint(arena.array[: plan.nbytes])
 
     def close(self) -> None:
-        """Unlink every segment; idempotent."""
+        """Unlink every segment; idempotent. A write still running keeps its mapping (and
+        finishes harmlessly) until its views are gone."""
+        self._closed = True
         for arena in self._arenas.values():
             arena.close()
         self._arenas.clear()
