@@ -171,7 +171,11 @@ class Producer:
 
     def serve(self, epochs: int | None = 1) -> None:
         """Publish ``epochs`` epochs (None: forever), end the stream, wait for every consumer
-        to be sent everything or to leave, then close. Ctrl-C ends the stream early."""
+        to be sent everything or to leave, then close.
+
+        Ctrl-C (KeyboardInterrupt) ends the current epoch where it is and the stream cleanly;
+        any other exception ends the stream with its reason, which consumers raise as
+        ProducerLost."""
         if epochs is not None and (type(epochs) is not int or epochs < 0):
             raise ValueError(f"epochs must be a non-negative int or None, got {epochs!r}")
         try:
@@ -186,6 +190,9 @@ class Producer:
             if not self._closing:
                 raise
             return  # close() was called from another thread
+        except KeyboardInterrupt:
+            self.close()  # a deliberate stop: the epoch ends where it is, then a clean end
+            raise
         except BaseException as exc:
             self.close(reason=f"producer stopped: {type(exc).__name__}: {exc}")
             raise
