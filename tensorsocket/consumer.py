@@ -102,6 +102,7 @@ class Consumer:
         self._violation: str | None = None
         self._error: Exception | None = None
         self._stream_over = False  # END or an error arrived: the producer may now go away
+        self._io_tick = time.monotonic()  # when the I/O thread last began a loop
         self._arenas = ArenaMap()
 
         self._ctx = zmq.Context.instance()
@@ -115,7 +116,11 @@ class Consumer:
             self._socket.connect(endpoints.connect_address(self.endpoint))
             welcome = self._handshake()
         except BaseException:
-            self._socket.close(0)
+            try:  # a WELCOME still on its way means the producer registered us: leave
+                self._socket.send(protocol.encode(Kind.BYE), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            self._socket.close(linger=100)
             self._wakeup.close()
             self._closed = True  # nothing for the caller to close: no "not closed" warning
             raise
@@ -190,6 +195,7 @@ class Consumer:
         self._check_violation()
         kind, payload = self._take()
         if kind == _BATCH:
+            self._catch_up_after_freeze()
             if self._error is not None:  # evicted while this batch waited in the queue
                 raise self._error
             self._mid_epoch = True
@@ -220,6 +226,19 @@ class Consumer:
                 self._check_open()
                 raise ProducerLost(f"the consumer's I/O thread for {self.endpoint} stopped")
             self._check_hoarding()
+
+    def _catch_up_after_freeze(self) -> None:
+        """After this process was frozen (SIGSTOP, a debugger) for longer than the producer
+        waits, it was evicted and its queued batches' slots may hold other data by now; the
+        EVICTED message is still unread in the socket. Eviction takes more than ``timeout``
+        of silence, so an I/O loop that last ran over ``timeout / 2`` ago means a freeze:
+        let the I/O thread run once (it reads EVICTED) before a batch is handed out."""
+        seen = self._io_tick
+        if time.monotonic() - seen <= self.timeout / 2:
+            return
+        deadline = time.monotonic() + 1.0
+        while self._io_tick == seen and self._io.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.002)
 
     def _skip_rest_of_epoch(self) -> None:
         while self._mid_epoch:
@@ -292,6 +311,7 @@ class Consumer:
         last_seen = last_sent = now
         try:
             while not self._stop.is_set():
+                self._io_tick = time.monotonic()  # see _catch_up_after_freeze
                 events = dict(poller.poll(int(_TICK * 1000)))
                 now = time.monotonic()
                 if self._socket in events:

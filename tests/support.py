@@ -199,3 +199,27 @@ def serve_producer(
     producer = Producer(NestedLoader(batches, delay=delay), name=name, slots=slots)
     ready.put(os.getpid())
     producer.serve(epochs=epochs)
+
+
+def run_frozen_victim(name: str, ready: Any, go: Any, results: Any) -> None:
+    """Take two batches, signal ``ready``, spin until ``go.value`` (the test freezes us
+    meanwhile), then ask for one more batch at once and report what happened. ``go`` is a
+    lock-free RawValue: an Event's lock could be held by us when we are frozen."""
+    from tensorsocket import Consumer
+
+    report: dict[str, Any] = {"error": None, "stale": None}
+    consumer = Consumer(name=name, timeout=1.0)
+    try:
+        it = iter(consumer)
+        held = [next(it), next(it)]
+        ready.set()
+        while not go.value:
+            pass  # no sleep: after SIGCONT, next() runs before the I/O thread gets far
+        batch = next(it)
+        report["stale"] = not same(batch, expected_batch(2, 50))
+    except Exception as exc:
+        report["error"] = type(exc).__name__
+    finally:
+        del held
+        consumer.close()
+        results.put(report)

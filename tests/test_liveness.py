@@ -121,6 +121,7 @@ def test_sigkilled_consumer_holding_slots_is_evicted_and_survivors_stay_exact(na
         seen_present, max_held, gone_at = False, 0, None
         deadline = time.monotonic() + 60
         while gone_at is None and time.monotonic() < deadline and server.is_alive():
+            assert all(p.exitcode in (None, 0) for p in survivors), "a survivor failed (see its stderr)"
             entries = [c for c in producer.status()["consumers"] if c["pid"] == victim.pid]
             if entries:
                 seen_present = True
@@ -303,7 +304,7 @@ def test_second_producer_on_a_bound_tcp_port_is_refused_without_leaking():
 
 
 def test_stopped_consumer_is_evicted_after_its_timeout_and_the_other_stays_exact(name):
-    batches, timeout = 6, 1.0
+    batches, timeout = 6, 2.0  # also its handshake timeout: generous on a loaded machine
     results = SPAWN.Queue()
     victim = SPAWN.Process(target=run_consumer, args=(name, EPOCHS, batches, results),
                            kwargs={"hold": 2, "options": {"timeout": timeout}})
@@ -321,7 +322,9 @@ def test_stopped_consumer_is_evicted_after_its_timeout_and_the_other_stays_exact
                         while not any(c["pid"] == victim.pid and c["held"] >= 2
                                       for c in producer.status()["consumers"]):
                             assert time.monotonic() < deadline, "the victim never held 2 batches"
+                            assert victim.is_alive(), "the victim died (see its stderr)"
                             time.sleep(0.005)
+                        assert victim.is_alive(), "the victim died (see its stderr)"
                         os.kill(victim.pid, signal.SIGSTOP)
                         stopped_at = time.monotonic()
                         while any(c["pid"] == victim.pid for c in producer.status()["consumers"]):
@@ -343,7 +346,7 @@ def test_stopped_consumer_is_evicted_after_its_timeout_and_the_other_stays_exact
     # Back from the freeze it raises instead of blocking (which error depends on what it reads
     # first: EVICTED, its own silence clock, or a batch whose segment is already unlinked).
     assert report["error"] is not None
-    # (Batches it took after the freeze may show later data: eviction dropped its holds.)
+    # (Batches it held when it was evicted may have changed: eviction dropped its holds.)
     assert report["seen"] == [(0, i) for i in range(len(report["seen"]))]
 
 
@@ -367,3 +370,48 @@ def test_evicted_consumer_never_yields_the_batches_it_had_queued(name):
                 next(iter(silent))
         finally:
             silent.close()
+
+
+def test_consumer_that_gave_up_on_a_slow_welcome_leaves_no_ghost(name, caplog):
+    """A producer that answers HELLO after the consumer's handshake timeout must not keep a
+    registration nobody uses (it would hold slots until its silence timeout). White box:
+    holding the producer's lock stands in for a producer too busy to answer in time."""
+    producer = Producer(NestedLoader(2), name=name, slots=2)
+    try:
+        with producer._changed:  # the I/O thread cannot handle the HELLO until we let go
+            with pytest.raises(ProducerLost, match="no producer answered"):
+                Consumer(name=name, timeout=0.5, label="impatient")
+        deadline = time.monotonic() + 5
+        while not any("impatient" in r.getMessage() and "left" in r.getMessage() for r in caplog.records):
+            assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records]
+            time.sleep(0.01)
+        assert producer.status()["consumers"] == []
+    finally:
+        producer.close()
+
+
+def test_consumer_resumed_after_eviction_raises_before_handing_out_a_queued_batch(name):
+    """Frozen past its timeout, the consumer is evicted while batches wait in its queue and
+    their slots are reused; resumed, its first next() must raise Evicted, not yield one."""
+    from tests.support import run_frozen_victim
+
+    ready, go, results = SPAWN.Event(), SPAWN.RawValue("b", 0), SPAWN.Queue()
+    victim = SPAWN.Process(target=run_frozen_victim, args=(name, ready, go, results))
+    producer = Producer(NestedLoader(50), name=name, slots=4, min_consumers=2)
+    with reaped(victim), serving(producer, 1) as (server, errors):
+        with Consumer(name=name, timeout=10) as leader:
+            it = iter(leader)
+            next(it)
+            assert ready.wait(30)
+            os.kill(victim.pid, signal.SIGSTOP)
+            stopped_at = time.monotonic()
+            while any(c["pid"] == victim.pid for c in producer.status()["consumers"]):
+                assert time.monotonic() - stopped_at < 10, "the stopped consumer was never evicted"
+                time.sleep(0.01)
+            for _ in range(8):  # the leader moves on: the victim's queued batches' slots are reused
+                next(it)
+            go.value = 1
+            os.kill(victim.pid, signal.SIGCONT)
+            report = results.get(timeout=30)
+        producer.close()
+    assert report == {"error": "Evicted", "stale": None}
