@@ -23,6 +23,7 @@ import queue
 import threading
 import time
 import uuid
+import warnings
 import weakref
 from typing import Any
 
@@ -180,8 +181,6 @@ class Consumer:
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):
-            import warnings
-
             warnings.warn(f"Consumer of {self.endpoint} was not closed", ResourceWarning, stacklevel=1)
 
     # ------------------------------------------------------------------ iteration

@@ -27,11 +27,11 @@ def pid_namespace() -> int:
 
 def pid_alive(pid: int) -> bool:
     """True if a process with this pid exists (a zombie counts as dead)."""
-    if pid <= 0:
+    if not 0 < pid < 2**31:
         return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError, ValueError):
         return False
     except PermissionError:
         return True

@@ -17,6 +17,8 @@ import logging
 import os
 import threading
 import time
+import warnings
+import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -115,6 +117,9 @@ class Producer:
         self._lock_file = endpoints.lock(self.endpoint)
         sweep_stale()
         self._pool = SlotPool(slots)
+        # If close() is never called (a script without `with` that raises), unlink at exit:
+        # the I/O thread keeps `self` alive, so __del__ would not run.
+        weakref.finalize(self, SlotPool.close, self._pool)
         self._flow = Flow(slots)
         self._peers: dict[Hashable, _Peer] = {}
         self._outbox: collections.deque[tuple[Hashable, bytes]] = collections.deque()
@@ -186,10 +191,11 @@ class Producer:
                 done += 1
             self._end_stream(None)
             self._wait(self._all_left, None, "consumers to finish")
-        except _Closed:
-            if not self._closing:
-                raise
-            return  # close() was called from another thread
+        except _Closed as exc:
+            if self._closing:
+                return  # close() was called from another thread
+            self.close(reason=str(exc))  # the I/O thread died: still end and unlink
+            raise TensorSocketError(str(exc)) from None
         except KeyboardInterrupt:
             self.close()  # a deliberate stop: the epoch ends where it is, then a clean end
             raise
@@ -206,8 +212,8 @@ class Producer:
         self._closing = True
         try:
             if not self._flow.ended:
-                if self._epoch_open and reason is None:
-                    self._end_epoch()
+                if reason is None:
+                    self._end_epoch()  # a no-op unless an epoch is open
                 self._end_stream(reason)
             deadline = time.monotonic() + self.linger
             self._wait(self._all_left, deadline, "consumers to finish")
@@ -237,12 +243,11 @@ class Producer:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        self.close(reason=None if exc is None else f"producer stopped: {exc_type.__name__}: {exc}")
+        clean = exc is None or isinstance(exc, KeyboardInterrupt)  # as in serve()
+        self.close(reason=None if clean else f"producer stopped: {exc_type.__name__}: {exc}")
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):
-            import warnings
-
             warnings.warn(f"Producer on {self.endpoint} was not closed", ResourceWarning, stacklevel=1)
 
     def status(self) -> dict[str, Any]:
@@ -303,6 +308,13 @@ class Producer:
                 layout=plan.encode(),
                 fingerprint=fingerprint,
             )
+            if len(frame) > protocol.MAX_REPLY_BYTES:
+                self._flow.cancel(slot)
+                raise TypeError(
+                    f"batch {self._index} of epoch {self._flow.epoch} describes itself in {len(frame)} bytes "
+                    f"(limit {protocol.MAX_REPLY_BYTES}): its str / bytes / scalar leaves travel in the "
+                    "message; put large data in tensors or NumPy arrays"
+                )
             self._send_all(self._flow.publish(slot, frame))
             self._index += 1
             self._stats["published"] += 1
@@ -313,6 +325,8 @@ class Producer:
 
     def _end_epoch(self) -> None:
         with self._changed:
+            if not self._epoch_open:  # already ended (close() raced the caller's thread)
+                return
             self._epoch_open = False
             if self._flow.ended:
                 raise _Closed(f"producer on {self.endpoint} was closed")
@@ -544,4 +558,9 @@ class _EpochPublisher:
         return self
 
     def __next__(self) -> Any:
-        return self._producer._next_batch()
+        try:
+            return self._producer._next_batch()
+        except _Closed:
+            if self._producer._closing:  # close() from another thread ends the loop
+                raise StopIteration from None
+            raise

@@ -84,7 +84,7 @@ def _arena(v: Any) -> bool:
 SCHEMA: dict[Kind, dict[str, Callable[[Any], bool]]] = {
     Kind.HELLO: {
         "version": _int(),
-        "pid": _int(0, 1 << 31),
+        "pid": _int(1, (1 << 31) - 1),
         "boot_id": _str(64),
         "pidns": _int(),
         "label": _str(128),
@@ -92,7 +92,7 @@ SCHEMA: dict[Kind, dict[str, Callable[[Any], bool]]] = {
         "timeout": _num(0.05, 86400.0),
     },
     Kind.WELCOME: {
-        "pid": _int(0, 1 << 31),
+        "pid": _int(1, (1 << 31) - 1),
         "boot_id": _str(64),
         "pidns": _int(),
         "batches": _opt(_int()),

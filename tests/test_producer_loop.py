@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
+import torch
 import zmq
 
 from tensorsocket import Consumer, Producer, protocol
@@ -53,3 +54,94 @@ def test_status_and_joins_are_served_while_the_loader_blocks(name):
         raw.close(0)
         producer.close()
         server.join(timeout=10)
+
+
+def test_a_hello_with_an_extreme_pid_does_not_stop_the_producer(name):
+    from tensorsocket.host import boot_id, pid_namespace
+
+    producer = Producer([torch.zeros(3)], name=name, slots=2)
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    try:
+        raw.connect(connect_address(producer.endpoint))
+        for pid in ((1 << 31) - 1, 1 << 31):  # the largest valid pid, then one out of range
+            raw.send(protocol.encode(Kind.HELLO, version=protocol.VERSION, pid=pid, boot_id=boot_id(),
+                                     pidns=pid_namespace(), label="x", prefetch=2, timeout=5.0))
+            assert raw.poll(2000)
+            raw.recv()
+        time.sleep(0.2)  # a few liveness ticks: the first peer's pid is checked and evicted
+        with Consumer(name=name, timeout=2) as consumer:  # the I/O thread still serves
+            assert consumer.slots == 2
+    finally:
+        raw.close(0)
+        producer.close()
+
+
+def test_a_batch_too_big_to_describe_fails_clearly_and_consumers_get_the_reason(name):
+    from tensorsocket import ProducerLost
+
+    loader = [(torch.zeros(2), b"x" * (protocol.MAX_REPLY_BYTES + 1))]
+    producer = Producer(loader, name=name, slots=2)
+    errors: list[BaseException] = []
+
+    def body() -> None:
+        try:
+            producer.serve(epochs=1)
+        except BaseException as exc:
+            errors.append(exc)
+
+    server = threading.Thread(target=body, daemon=True)
+    server.start()
+    with Consumer(name=name, timeout=5) as consumer:
+        try:
+            list(consumer)
+        except ProducerLost as exc:
+            assert "put large data in tensors" in str(exc)
+        else:
+            raise AssertionError("the consumer was not told why the stream ended")
+    server.join(timeout=10)
+    assert len(errors) == 1 and isinstance(errors[0], TypeError)
+
+
+def test_close_from_another_thread_ends_a_producer_loop_quietly(name):
+    producer = Producer([torch.zeros(1)] * 100, name=name, slots=2)
+    with Consumer(name=name, prefetch=2) as consumer:  # joins and never iterates: stalls the loop
+        closer = threading.Timer(0.5, producer.close)
+        closer.start()
+        published = sum(1 for _ in producer)  # must end, not raise
+        closer.join()
+        assert published <= 3
+        del consumer
+
+
+def test_a_producer_script_that_dies_without_close_leaves_no_segments(name, tmp_path):
+    import subprocess
+    import sys
+
+    from tests.support import shm_segments
+
+    script = tmp_path / "crash.py"
+    script.write_text(
+        "import sys, torch\n"
+        "from tensorsocket import Producer\n"
+        f"p = Producer([torch.zeros(1000)] * 5, name={name!r}, slots=2)\n"
+        "print(p.endpoint, flush=True)\n"
+        "for i, batch in enumerate(p):\n"
+        "    print('published', flush=True)\n"
+        "    sys.stdin.readline()\n"
+        "    raise RuntimeError('the training step crashed')\n"
+    )
+    proc = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        proc.stdout.readline()
+        with Consumer(name=name, timeout=5):
+            assert proc.stdout.readline().strip() == "published"
+            assert shm_segments(proc.pid)  # the slot's segment exists while it runs
+            proc.stdin.write("\n")
+            proc.stdin.flush()
+            proc.wait(timeout=30)
+        assert proc.returncode == 1
+        assert shm_segments(proc.pid) == []
+    finally:
+        proc.kill()
+        proc.wait()

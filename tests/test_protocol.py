@@ -50,7 +50,7 @@ VALID: dict[str, Any] = {
 }
 EDGES: dict[str, list[Any]] = {
     "version": [0, 2**63 - 1],
-    "pid": [0, 1 << 31],
+    "pid": [1, (1 << 31) - 1],
     "boot_id": ["", "b" * 64],
     "pidns": [0, 2**63 - 1],
     "label": ["", "é" * 128],
@@ -74,7 +74,7 @@ EDGES: dict[str, list[Any]] = {
 # Values no kind may accept for that field: wrong type, bool for int, out of range, too long.
 BAD: dict[str, list[Any]] = {
     "version": [True, -1, 2**63, 1.0, "1", None, [1]],
-    "pid": [False, -1, (1 << 31) + 1, 1.5, "4242", None],
+    "pid": [False, 0, -1, 1 << 31, 1.5, "4242", None],
     "boot_id": [5, b"boot", "b" * 65, None, ["b"]],
     "pidns": [-1, True, "1", None, 2**64 - 1],
     "label": ["x" * 129, 3, b"label", None],
