@@ -25,6 +25,7 @@ import time
 import uuid
 import warnings
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -95,7 +96,6 @@ class Consumer:
         self._live: set[int] = set()  # seqs built and not yet released
         self._live_lock = threading.Lock()
         self._wakeup = Wakeup()
-        weakref.finalize(self, self._wakeup.close)
         self._stop = threading.Event()
         self._closed = False
         self._ended = False
@@ -132,7 +132,12 @@ class Consumer:
         self._heartbeat = min(welcome["heartbeat"], self.timeout / 4)
         for arena in welcome["arenas"]:
             self._arenas.announce(ArenaInfo(*arena))
-        self._io = threading.Thread(target=self._io_loop, name="tensorsocket-consumer-io", daemon=True)
+        self._io = threading.Thread(
+            target=_io_thread,
+            args=(weakref.ref(self), self._socket, self._stop, self.endpoint),
+            name="tensorsocket-consumer-io",
+            daemon=True,
+        )
         self._io.start()
 
     # ------------------------------------------------------------------ public API
@@ -302,49 +307,38 @@ class Consumer:
 
     # ------------------------------------------------------------------ I/O thread
 
-    def _io_loop(self) -> None:
+    def _io_begin(self) -> _IoState:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         poller.register(self._wakeup.fd, zmq.POLLIN)
         now = time.monotonic()
-        last_seen = last_sent = now
-        try:
-            while not self._stop.is_set():
-                self._io_tick = time.monotonic()  # see _catch_up_after_freeze
-                events = dict(poller.poll(int(_TICK * 1000)))
-                now = time.monotonic()
-                if self._socket in events:
-                    last_seen = now
-                    if not self._receive():
-                        return
-                if self._wakeup.fd in events:
-                    self._wakeup.drain()
-                if self._send_releases():
-                    last_sent = now
-                if self._stream_over:
-                    continue
-                if now - last_sent >= self._heartbeat:
-                    self._send(protocol.encode(Kind.HEARTBEAT))
-                    last_sent = now
-                if self._producer_local and not pid_alive(self._producer_pid):
-                    self._fail(
-                        ProducerLost(f"the producer at {self.endpoint} (pid {self._producer_pid}) died")
-                    )
-                    return
-                if now - last_seen > self.timeout:
-                    self._fail(
-                        ProducerLost(
-                            f"no message from the producer at {self.endpoint} for {self.timeout:g} s"
-                        )
-                    )
-                    return
-            self._send_releases()
-            self._send(protocol.encode(Kind.BYE))
-        except Exception as exc:
-            log.exception("consumer I/O thread for %s failed", self.endpoint)
-            self._fail(ProducerLost(f"consumer I/O failed: {type(exc).__name__}: {exc}"))
-        finally:
-            self._socket.close(linger=100)
+        return _IoState(poller, now, now)
+
+    def _io_once(self, state: _IoState) -> bool:
+        """One turn of the I/O loop; False when this consumer's stream is over."""
+        self._io_tick = time.monotonic()  # see _catch_up_after_freeze
+        events = dict(state.poller.poll(int(_TICK * 1000)))
+        now = time.monotonic()
+        if self._socket in events:
+            state.last_seen = now
+            if not self._receive():
+                return False
+        if self._wakeup.fd in events:
+            self._wakeup.drain()
+        if self._send_releases():
+            state.last_sent = now
+        if self._stream_over:
+            return True
+        if now - state.last_sent >= self._heartbeat:
+            self._send(protocol.encode(Kind.HEARTBEAT))
+            state.last_sent = now
+        if self._producer_local and not pid_alive(self._producer_pid):
+            self._fail(ProducerLost(f"the producer at {self.endpoint} (pid {self._producer_pid}) died"))
+            return False
+        if now - state.last_seen > self.timeout:
+            self._fail(ProducerLost(f"no message from the producer at {self.endpoint} for {self.timeout:g} s"))
+            return False
+        return True
 
     def _fail(self, exc: Exception) -> None:
         self._stream_over = True
@@ -408,7 +402,11 @@ class Consumer:
         # The finalizer keeps the mapping (not the region) so the release check reads the
         # very memory this batch lived in.
         release = weakref.finalize(
-            region, self._on_release, seq, region.base, nbytes, msg["fingerprint"], msg["epoch"], msg["index"]
+            region,
+            _release_later,
+            self._released,
+            self._wakeup,
+            (seq, region.base, nbytes, msg["fingerprint"], msg["epoch"], msg["index"]),
         )
         release.atexit = False
         copy = self.copy or self.device.type != "cpu"
@@ -416,13 +414,6 @@ class Consumer:
         if self.device.type != "cpu":
             batch = _to_device(batch, self.device)
         return batch
-
-    def _on_release(
-        self, seq: int, mapping: Any, nbytes: int, fingerprint: int | None, epoch: int, index: int
-    ) -> None:
-        """Finalizer: runs in whichever thread dropped the last view; must not touch the socket."""
-        self._released.append((seq, mapping, nbytes, fingerprint, epoch, index))
-        self._wakeup.wake()
 
     def _send_releases(self) -> bool:
         seqs = []
@@ -450,6 +441,53 @@ class Consumer:
         )
         log.error("%s", self._violation)
         self._send(protocol.encode(Kind.MODIFIED, seq=seq, epoch=epoch, index=index))
+
+
+@dataclass
+class _IoState:
+    poller: zmq.Poller
+    last_seen: float
+    last_sent: float
+
+
+def _release_later(released: collections.deque[Any], wakeup: Wakeup, item: tuple[Any, ...]) -> None:
+    """A batch's finalizer: runs in whichever thread dropped its last view. It must not touch
+    the socket, and it references no Consumer, so a dropped Consumer can be collected."""
+    released.append(item)
+    wakeup.wake()
+
+
+def _io_thread(ref: weakref.ref[Consumer], sock: zmq.Socket, stop: threading.Event, endpoint: str) -> None:
+    """The consumer's I/O thread. It holds the Consumer only during one turn of the loop, so a
+    Consumer dropped without close() is collected and its thread then leaves the producer
+    (which drops its holds) instead of stalling every other consumer forever."""
+    state: _IoState | None = None
+    try:
+        while not stop.is_set():
+            consumer = ref()
+            if consumer is None:
+                break
+            if state is None:
+                state = consumer._io_begin()
+            going = consumer._io_once(state)
+            del consumer
+            if not going:
+                return
+        consumer = ref()
+        if consumer is not None:
+            consumer._send_releases()
+            del consumer
+        try:
+            sock.send(protocol.encode(Kind.BYE), zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+    except Exception as exc:
+        log.exception("consumer I/O thread for %s failed", endpoint)
+        consumer = ref()
+        if consumer is not None:
+            consumer._fail(ProducerLost(f"consumer I/O failed: {type(exc).__name__}: {exc}"))
+    finally:
+        sock.close(linger=100)
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:

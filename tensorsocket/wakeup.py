@@ -3,17 +3,31 @@
 from __future__ import annotations
 
 import os
+import weakref
+
+
+def _close_fds(*fds: int) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 class Wakeup:
     """``wake()`` is safe from any thread, never blocks and never raises after ``close()``;
-    the loop thread polls ``fd`` with its zmq.Poller and calls ``drain()``."""
+    the loop thread polls ``fd`` with its zmq.Poller and calls ``drain()``.
+
+    The pipe is closed by ``close()`` or, at the latest, when the last reference to this
+    object goes: batch finalizers hold one, so a pipe is never closed under a late ``wake()``.
+    """
 
     def __init__(self) -> None:
         self._r, self._w = os.pipe()
         os.set_blocking(self._r, False)
         os.set_blocking(self._w, False)
         self.fd = self._r
+        self._finalizer = weakref.finalize(self, _close_fds, self._r, self._w)
 
     def wake(self) -> None:
         try:
@@ -29,9 +43,5 @@ class Wakeup:
             pass
 
     def close(self) -> None:
-        for fd in (self._r, self._w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
         self._r = self._w = -1
+        self._finalizer()  # closes the pipe once

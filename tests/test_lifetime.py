@@ -172,3 +172,29 @@ def test_close_with_a_stalled_consumer_gives_up_after_linger(name, caplog):
         server.join(timeout=10)
         assert not server.is_alive()
         del stalled
+
+
+def test_a_consumer_dropped_without_close_leaves_instead_of_stalling_everyone(name):
+    """A Consumer per epoch, never closed: each is collected when dropped, its thread says
+    BYE, and the next one replays the epoch from its first batch."""
+    producer = Producer(NestedLoader(6), name=name, slots=4)
+    server = serving(producer, epochs=3)
+    epochs: list[list[int]] = []
+
+    def body() -> None:
+        for _ in range(3):
+            got = []
+            for b in Consumer(name=name, timeout=5):
+                got.append(b[1]["meta"][2])
+                del b
+            epochs.append(got)
+
+    trainer = threading.Thread(target=body, daemon=True)
+    try:
+        trainer.start()
+        trainer.join(timeout=40)
+        assert epochs == [list(range(6))] * 3
+        server.join(timeout=10)
+        assert not server.is_alive()
+    finally:
+        producer.close()
