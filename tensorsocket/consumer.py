@@ -162,8 +162,9 @@ class Consumer:
         return self._ended
 
     def close(self) -> None:
-        """Leave the producer at once (it stops waiting for us). Batches you still hold stay
-        valid. Idempotent."""
+        """Leave the producer at once (it stops waiting for us and takes back every slot this
+        consumer held: batches you still hold may be overwritten mid-stream, so clone what
+        you keep past close(); after the end of stream they stay valid). Idempotent."""
         if self._closed:
             return
         self._closed = True
