@@ -19,6 +19,7 @@ setup(
         "msgpack>=1.0",
         "Pillow>=9",
     ],
+    entry_points={"console_scripts": ["tensorsocket = tensorsocket.cli:main"]},
     extras_require={
         "gpu": ["cupy-cuda12x>=13", "nvidia-ml-py>=12"],
         "dev": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.100", "ruff>=0.5", "psutil>=5.9"],

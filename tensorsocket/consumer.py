@@ -139,6 +139,9 @@ class Consumer:
             daemon=True,
         )
         self._io.start()
+        # At interpreter exit (or when dropped), stop the thread before zmq is torn down
+        # under it: a daemon thread still using its socket then aborts the process.
+        weakref.finalize(self, _stop_thread, self._stop, self._wakeup, self._io)
 
     # ------------------------------------------------------------------ public API
 
@@ -449,6 +452,13 @@ class _IoState:
     poller: zmq.Poller
     last_seen: float
     last_sent: float
+
+
+def _stop_thread(stop: threading.Event, wakeup: Wakeup, thread: threading.Thread) -> None:
+    stop.set()
+    wakeup.wake()
+    if thread is not threading.current_thread():
+        thread.join(timeout=2.0)
 
 
 def _release_later(released: collections.deque[Any], wakeup: Wakeup, item: tuple[Any, ...]) -> None:

@@ -117,9 +117,6 @@ class Producer:
         self._lock_file = endpoints.lock(self.endpoint)
         sweep_stale()
         self._pool = SlotPool(slots)
-        # If close() is never called (a script without `with` that raises), unlink at exit:
-        # the I/O thread keeps `self` alive, so __del__ would not run.
-        weakref.finalize(self, SlotPool.close, self._pool)
         self._flow = Flow(slots)
         self._peers: dict[Hashable, _Peer] = {}
         self._outbox: collections.deque[tuple[Hashable, bytes]] = collections.deque()
@@ -154,6 +151,10 @@ class Producer:
             raise RuntimeError(f"cannot bind {self.endpoint}: {exc}") from None
         self._io = threading.Thread(target=self._io_loop, name="tensorsocket-producer-io", daemon=True)
         self._io.start()
+        # If close() is never called (a script without `with` that raises): at exit, stop the
+        # I/O thread before zmq is torn down under it (that aborts the process) and unlink.
+        # The I/O thread keeps `self` alive, so __del__ would not run.
+        weakref.finalize(self, _stop_at_exit, self._stop, self._wakeup, self._io, self._pool)
         log.info("producer serving %s with %d slots", self.endpoint, slots)
 
     # ------------------------------------------------------------------ public API
@@ -284,9 +285,10 @@ class Producer:
         self._wait(reserved, None, "a free slot")
         slot = slot_box[0]
         try:
-            with self._changed:
-                info = self._pool.prepare(slot, plan.nbytes)
-                if info is not None:
+            arena = self._pool.prepare(slot, plan.nbytes)  # slow for big arenas: not under the lock
+            if arena is not None:
+                with self._changed:
+                    info = self._pool.install(arena)
                     frame = protocol.encode(Kind.ARENA, arena=info.encode())
                     self._outbox.extend((cid, frame) for cid in self._peers)
             fingerprint = self._pool.write(slot, plan)
@@ -546,6 +548,14 @@ class Producer:
             "consumers": consumers,
             **{k: round(v, 6) if isinstance(v, float) else v for k, v in self._stats.items()},
         }
+
+
+def _stop_at_exit(stop: threading.Event, wakeup: Wakeup, thread: threading.Thread, pool: SlotPool) -> None:
+    stop.set()
+    wakeup.wake()
+    if thread is not threading.current_thread():
+        thread.join(timeout=2.0)
+    pool.close()
 
 
 class _EpochPublisher:

@@ -32,11 +32,12 @@ Design:
   into the summary: a table on stdout, ``<logs>/summary.json`` and ``<logs>/summary.csv``.
 * Ctrl-C (or SIGTERM): the trainers are terminated (their process groups: SIGTERM, then
   SIGKILL after 5 s), the producer is told to end the stream and free its shared memory, the
-  summary is written with the interrupted trials marked ``stopped``, and the exit code is 130.
+  summary is written with the interrupted trials marked ``stopped``, and the exit code is 130
+  (143 for SIGTERM).
 
 Exit codes: 0 every trial succeeded; 1 at least one failed; 2 a usage error (a bad
-``--grid``, ``--pipeline`` or ``--trainer``), or the producer could not start; 130
-interrupted.
+``--grid``, ``--pipeline`` or ``--trainer``), or the producer could not start (the pipeline
+raised, say: the end of ``producer.log`` is printed); 130 interrupted.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ _TICK = 0.1  # seconds between checks of the trial processes
 _REFRESH = 1.0  # seconds between redraws of the live status on a terminal
 _TERM_GRACE = 5.0  # seconds between SIGTERM and SIGKILL for a trainer
 _PRODUCER_GRACE = 3.0  # after the last trial of a wave: time for the producer to finish alone
-_PRODUCER_STOP = 20.0  # after "stop": time for the producer to close before SIGKILL
+_PRODUCER_STOP = 15.0  # after "stop": time for the producer to close before SIGKILL
 _STUCK_EXIT = 30.0  # the producer child kills itself if still running this long after a stop
 
 

@@ -145,3 +145,23 @@ def test_a_producer_script_that_dies_without_close_leaves_no_segments(name, tmp_
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_exiting_mid_epoch_without_close_is_a_clean_exit(name, tmp_path):
+    """The daemon I/O threads are stopped before zmq is torn down at exit; without that the
+    process sometimes aborted (SIGABRT, 'terminate called without an active exception')."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit_mid_epoch.py"
+    script.write_text(
+        "import sys, threading, torch\n"
+        "from tensorsocket import Consumer, Producer\n"
+        "p = Producer([torch.zeros(1000)] * 50, name=sys.argv[1], slots=4)\n"
+        "threading.Thread(target=p.serve, kwargs={'epochs': 1}, daemon=True).start()\n"
+        "for batch in Consumer(name=sys.argv[1]):\n"
+        "    sys.exit(0)\n"
+    )
+    for i in range(5):
+        done = subprocess.run([sys.executable, str(script), f"{name}-{i}"], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, (done.returncode, done.stderr[-2000:])

@@ -46,12 +46,12 @@ def test_producer_and_consumer_views_share_memory_and_regrowth_is_announced():
     pool = SlotPool(1)
     try:
         small = layout.plan(torch.arange(10))
-        info = pool.prepare(0, small.nbytes)
-        assert info is not None and info.size % 4096 == 0
+        info = pool.install(pool.prepare(0, small.nbytes))
+        assert info.size % 4096 == 0
         assert pool.prepare(0, small.nbytes) is None  # fits: no new arena
         big = layout.plan(torch.arange(1 << 20))
-        grown = pool.prepare(0, big.nbytes)
-        assert grown is not None and grown.name != info.name and grown.size >= big.nbytes
+        grown = pool.install(pool.prepare(0, big.nbytes))
+        assert grown.name != info.name and grown.size >= big.nbytes
         assert not os.path.exists(os.path.join(SHM_DIR, info.name))  # the old one is unlinked
         fingerprint = pool.write(0, big)
         arenas = ArenaMap()

@@ -151,8 +151,10 @@ class SlotPool:
     def arenas(self) -> list[ArenaInfo]:
         return [a.info for a in self._arenas.values()]
 
-    def prepare(self, slot: int, nbytes: int) -> ArenaInfo | None:
-        """Make sure ``slot`` holds ``nbytes``; return the new arena's info if one was made."""
+    def prepare(self, slot: int, nbytes: int) -> _Arena | None:
+        """A new, larger arena for ``slot`` if it cannot hold ``nbytes`` (else None), not yet
+        in use. Allocating is slow (pages are reserved and mapped), so the producer calls this
+        outside its lock and :meth:`install` under it."""
         if self._closed:
             raise RuntimeError("the slot pool is closed")
         current = self._arenas.get(slot)
@@ -163,12 +165,19 @@ class SlotPool:
         size = (size + _PAGE - 1) // _PAGE * _PAGE
         self._generation += 1
         name = f"{PREFIX}{os.getuid()}-{os.getpid()}-{self._token}-{slot}-{self._generation}"
-        arena = _Arena(ArenaInfo(slot, name, size))
+        return _Arena(ArenaInfo(slot, name, size))
+
+    def install(self, arena: _Arena) -> ArenaInfo:
+        """Put a prepared arena in its slot, unlinking the one it replaces; return its info."""
+        if self._closed:
+            arena.close()
+            raise RuntimeError("the slot pool is closed")
+        current = self._arenas.get(arena.info.slot)
         if current is not None:
             self.bytes -= current.info.size
             current.close()
-        self._arenas[slot] = arena
-        self.bytes += size
+        self._arenas[arena.info.slot] = arena
+        self.bytes += arena.info.size
         return arena.info
 
     def write(self, slot: int, plan: layout.Plan) -> int:

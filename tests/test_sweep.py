@@ -1,0 +1,298 @@
+"""``tensorsocket sweep`` end to end in real subprocesses, and ``consumer/train.py`` in both of
+its modes."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tensorsocket import Producer, sweep
+from tensorsocket.host import pid_alive
+from tests.support import shm_segments, unique_name
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN = ROOT / "consumer" / "train.py"
+BATCHES, BATCH_SIZE = 3, 4
+
+PIPELINE = """
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+def make(batches=2, batch_size=4, workers=0):
+    g = torch.Generator().manual_seed(0)
+    if workers:  # worker processes forked by the producer process
+        images = torch.rand(batches * batch_size, 3, 8, 8, generator=g)
+        labels = torch.arange(batches * batch_size)
+        return DataLoader(TensorDataset(images, labels), batch_size=batch_size, num_workers=workers)
+    return [(torch.rand(batch_size, 3, 8, 8, generator=g), torch.arange(batch_size)) for _ in range(batches)]
+
+def broken():
+    raise OSError("the dataset is not there")
+"""
+
+# Iterates the shared loader; exits 3 mid-stream (abruptly, holding a batch) for lr=0.2 and
+# width=2, and 5 before it even joins for a=1.
+TRAINER = """
+import argparse, json, os, sys, time
+from tensorsocket import Consumer
+
+p = argparse.ArgumentParser()
+p.add_argument("--lr", type=float, default=0.1)
+p.add_argument("--width", type=int, default=1)
+p.add_argument("--a", type=int, default=0)
+p.add_argument("--epochs", type=int, default=2)
+p.add_argument("--step", type=float, default=0.01)
+args = p.parse_args()
+print("pid", os.getpid(), flush=True)
+if args.a == 1:
+    sys.exit(5)
+loader = Consumer()
+samples, start = 0, time.perf_counter()
+for epoch in range(args.epochs):
+    for images, labels in loader:
+        samples += len(labels)
+        if args.lr == 0.2 and args.width == 2:
+            os._exit(3)
+        time.sleep(args.step)
+loader.close()
+rate = samples / (time.perf_counter() - start)
+print("RESULT " + json.dumps({"loss": args.lr * args.width, "samples_per_s": rate, "samples": samples}))
+"""
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    (tmp_path / "pipe.py").write_text(PIPELINE)
+    (tmp_path / "trainer.py").write_text(TRAINER)
+    return tmp_path
+
+
+def run_sweep(workdir: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """Run a sweep; past ``timeout`` interrupt it (so it stops its trainers and producer)
+    and fail."""
+    command = [sys.executable, "-m", "tensorsocket.sweep", *args]
+    proc = subprocess.Popen(command, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        try:
+            out, err = proc.communicate(timeout=30)
+        finally:
+            proc.kill()
+        pytest.fail(f"the sweep took over {timeout} s:\n{out}\n{err}")
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
+def producer_pids(logs: Path) -> list[int]:
+    return [int(p) for p in re.findall(r"producer pid (\d+)", (logs / "producer.log").read_text())]
+
+
+def test_sweep_2x2_grid_in_two_waves_with_one_failing_trial(workdir: Path) -> None:
+    logs = workdir / "logs"
+    proc = run_sweep(
+        workdir,
+        "--pipeline", "pipe.py:make",
+        "--pipeline-arg", f"batches={BATCHES}",
+        "--pipeline-arg", "workers=1",
+        "--trainer", "python trainer.py --epochs 2",
+        "--grid", "lr=0.1,0.2",
+        "--grid", "width=1,2",
+        "--parallel", "2",
+        "--epochs", "2",
+        "--logs", str(logs),
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "wave 2/2: trial-03, trial-04" in proc.stdout
+    summary = json.loads((logs / "summary.json").read_text())
+    trials = summary["trials"]
+    assert [t["trial"] for t in trials] == ["trial-01", "trial-02", "trial-03", "trial-04"]
+    assert [t["params"] for t in trials] == [
+        {"lr": 0.1, "width": 1},
+        {"lr": 0.1, "width": 2},
+        {"lr": 0.2, "width": 1},
+        {"lr": 0.2, "width": 2},
+    ]
+    assert [t["exit_code"] for t in trials] == [0, 0, 0, 3]
+    assert [t["status"] for t in trials] == ["done", "done", "done", "failed"]
+    for t in trials[:3]:
+        # Each good trial got the whole stream of its wave's producer, trial-03 although
+        # its neighbour died mid-epoch.
+        assert t["result"]["samples"] == 2 * BATCHES * BATCH_SIZE
+        assert t["samples_per_s"] > 0
+        assert t["loss"] == pytest.approx(t["params"]["lr"] * t["params"]["width"])
+        assert t["command"][-4:] == ["--lr", str(t["params"]["lr"]), "--width", str(t["params"]["width"])]
+    assert trials[3]["samples_per_s"] is None and trials[3]["loss"] is None
+    for t in trials:
+        assert Path(t["log"]).is_file() and "pid" in Path(t["log"]).read_text()
+    rows = list(csv.DictReader((logs / "summary.csv").open()))
+    assert [(r["trial"], r["lr"], r["width"], r["exit_code"]) for r in rows] == [
+        ("trial-01", "0.1", "1", "0"),
+        ("trial-02", "0.1", "2", "0"),
+        ("trial-03", "0.2", "1", "0"),
+        ("trial-04", "0.2", "2", "3"),
+    ]
+    assert re.search(r"trial-04\s+lr=0.2 width=2\s+failed\s+3\s+-\s+-", proc.stdout), proc.stdout
+    assert "trial-04 failed" in proc.stdout  # not a terminal: one plain line per state change
+    pids = producer_pids(logs)
+    assert len(pids) == 2  # one producer run per wave
+    for pid in pids:
+        assert not pid_alive(pid) and shm_segments(pid) == []
+
+
+def test_ctrl_c_stops_trainers_and_producer(workdir: Path) -> None:
+    """Also: the producer does not wait for a trial that exits before it joins (a=1)."""
+    logs = workdir / "logs"
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "tensorsocket.sweep",
+            "--pipeline", "pipe.py:make",
+            "--trainer", "python trainer.py --epochs 100000 --step 0.2",
+            "--grid", "a=0,1",
+            "--epochs", "100000",
+            "--logs", str(logs),
+        ],
+        cwd=workdir,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 40
+        while "serving 100000 epoch(s)" not in _read(logs / "producer.log"):
+            assert proc.poll() is None and time.monotonic() < deadline, _read(logs / "producer.log")
+            time.sleep(0.1)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=40)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out
+    trials = json.loads((logs / "summary.json").read_text())["trials"]
+    assert [t["status"] for t in trials] == ["stopped", "failed"]
+    assert trials[1]["exit_code"] == 5
+    assert "1 trial(s) joined" in _read(logs / "producer.log")
+    trainer_pids = [int(re.search(r"^pid (\d+)", Path(t["log"]).read_text(), re.M).group(1)) for t in trials]
+    (producer,) = producer_pids(logs)
+    for pid in [*trainer_pids, producer]:
+        assert not pid_alive(pid), pid
+    assert shm_segments(producer) == []
+    assert "closed" in _read(logs / "producer.log")
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return ""
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--grid", "lr"], "argument --grid: expected key=v1,v2,..."),
+        (["--grid", "lr=0.1,,0.2"], "every value in key=v1,v2,... must be non-empty"),
+        (["--grid", "lr=1", "--grid", "lr=2"], "--grid lr is given more than once"),
+        (["--pipeline-arg", "x"], "argument --pipeline-arg: expected key=value"),
+        (["--pipeline", "pipe.py"], "must be module:function or path/to/file.py:function"),
+        (["--pipeline", "missing.py:make"], "the file missing.py does not exist"),
+        (["--pipeline", "pipe.py:nothing"], "pipe.py has no attribute 'nothing'"),
+        (["--pipeline", "no_such_module_here:make"], "no module named 'no_such_module_here'"),
+        (["--trainer", "no-such-program-here --x"], "is not a program on PATH or a file"),
+    ],
+)
+def test_usage_errors_exit_2_with_a_clear_message(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], args, message
+) -> None:
+    monkeypatch.chdir(workdir)
+    defaults = {"--pipeline": "pipe.py:make", "--trainer": "python trainer.py"}
+    for option, value in defaults.items():
+        if option not in args:
+            args = [option, value, *args]
+    assert sweep.main([*args, "--logs", str(workdir / "logs")]) == 2
+    assert message in capsys.readouterr().err
+    assert not (workdir / "logs").exists()  # nothing started, nothing written
+
+
+def test_a_pipeline_that_raises_exits_2_with_its_error(workdir: Path) -> None:
+    proc = run_sweep(
+        workdir, "--pipeline", "pipe.py:broken", "--trainer", "python trainer.py", "--logs", "logs"
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "the producer did not start" in proc.stderr
+    assert "OSError: the dataset is not there" in proc.stderr
+    trials = json.loads((workdir / "logs" / "summary.json").read_text())["trials"]
+    assert [t["status"] for t in trials] == ["not run"]
+
+
+def test_parse_result_takes_the_last_valid_line() -> None:
+    text = 'RESULT {"loss": 2}\nnoise\nRESULT not json\n  RESULT {"loss": 1.5, "samples_per_s": 3}\nbye\n'
+    assert sweep.parse_result(text) == {"loss": 1.5, "samples_per_s": 3}
+    assert sweep.parse_result("no result here\n") is None
+
+
+# ---------------------------------------------------------------------------- consumer/train.py
+
+
+def _result(stdout: str) -> dict:
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == 1, stdout
+    return json.loads(lines[0][len("RESULT ") :])
+
+
+@pytest.fixture(scope="module")
+def tiny_images(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from producer.imagefolder import make_dataset
+
+    return make_dataset(tmp_path_factory.mktemp("images"), count=16, size=(64, 48))
+
+
+def test_train_the_switch_is_two_marked_lines() -> None:
+    source = TRAIN.read_text()
+    assert source.count("[tensorsocket 1/2]") == 2 and source.count("[tensorsocket 2/2]") == 2  # + docstring
+    assert "loader = Consumer()  # [tensorsocket 2/2]" in source
+
+
+def test_train_with_its_own_dataloader(tiny_images: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(TRAIN), "--data", str(tiny_images), "--epochs", "1", "--max-batches", "2",
+         "--batch-size", "4", "--workers", "0", "--log-every", "1"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = _result(proc.stdout)
+    assert result["samples"] == 8 and result["epochs"] == 1
+    assert result["loss"] > 0 and result["samples_per_s"] > 0
+
+
+def test_train_shared_from_a_producer(tiny_images: Path) -> None:
+    from producer.imagefolder import make_loader
+
+    producer = Producer(make_loader(tiny_images, batch_size=4, num_workers=0), name=unique_name(), slots=3)
+    server = threading.Thread(target=producer.serve, kwargs={"epochs": 2}, daemon=True)
+    server.start()
+    try:
+        proc = subprocess.run(
+            [sys.executable, str(TRAIN), "--shared", "--epochs", "2"],
+            env={**os.environ, "TENSORSOCKET_ENDPOINT": producer.endpoint},
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    finally:
+        server.join(timeout=30)
+        producer.close()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not server.is_alive()
+    result = _result(proc.stdout)
+    assert result["samples"] == 2 * 16 and result["epochs"] == 2
+    assert result["loss"] > 0 and result["samples_per_s"] > 0
