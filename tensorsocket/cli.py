@@ -23,13 +23,15 @@ import signal
 import sys
 import threading
 import time
-import traceback
-from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from . import endpoint as endpoints
+from .pipeline import PipelineError
+from .pipeline import call as call_pipeline
+from .pipeline import describe as _describe
+from .pipeline import keyvalue as _keyvalue
+from .pipeline import load as load_pipeline
 
 log = logging.getLogger("tensorsocket")
 
@@ -91,123 +93,6 @@ def _resolve(args: argparse.Namespace) -> str:
 
 
 # ---------------------------------------------------------------------------- pipelines
-
-
-def _convert(value: str) -> int | float | str:
-    """An --arg value: int if it parses as one, else float, else the string itself."""
-    for kind in (int, float):
-        try:
-            return kind(value)
-        except ValueError:
-            pass
-    return value
-
-
-def _keyvalue(text: str) -> tuple[str, int | float | str]:
-    key, sep, value = text.partition("=")
-    key = key.strip()
-    if not sep or not key.isidentifier():
-        raise argparse.ArgumentTypeError(f"expected key=value with a Python identifier as key, got {text!r}")
-    return key, _convert(value)
-
-
-def parse_pipeline(spec: str) -> tuple[str, str, bool]:
-    """Split PIPELINE into (module or file path, function path, is_file). Raises UsageError."""
-    target, sep, func = spec.rpartition(":")
-    if not sep or not target or not func:
-        raise UsageError(
-            f"PIPELINE {spec!r} must be module:function or path/to/file.py:function "
-            "(e.g. producer.synthetic:make_loader or ./pipeline.py:make_loader)"
-        )
-    if not all(part.isidentifier() for part in func.split(".")):
-        raise UsageError(f"PIPELINE {spec!r}: {func!r} is not a function name")
-    is_file = target.endswith(".py") or "/" in target or os.sep in target
-    if not is_file and not all(part.isidentifier() for part in target.split(".")):
-        raise UsageError(f"PIPELINE {spec!r}: {target!r} is neither a module name nor a path to a .py file")
-    return target, func, is_file
-
-
-def _import_file(path_text: str) -> ModuleType:
-    path = Path(path_text).expanduser()
-    if not path.is_file():
-        raise UsageError(
-            f"pipeline file {path_text!r} does not exist" + ("" if path.suffix else " (no .py?)")
-        )
-    path = path.resolve()
-    # Import it under its own name with its folder on sys.path, so that what it defines can
-    # be pickled into DataLoader worker processes started with spawn.
-    folder = str(path.parent)
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    name = path.stem if path.stem.isidentifier() and path.stem not in sys.modules else None
-    name = name or f"_tensorsocket_pipeline_{abs(hash(str(path)))}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise UsageError(f"cannot import {path_text!r} as Python source")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        del sys.modules[name]
-        raise UsageError(f"importing {path_text} failed: {_describe(exc)}") from None
-    return module
-
-
-def _import_module(name: str) -> ModuleType:
-    cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path:  # the console script does not put it there
-        sys.path.insert(0, cwd)
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        if exc.name is not None and (name == exc.name or name.startswith(exc.name + ".")):
-            raise UsageError(
-                f"no module named {exc.name!r} (looked in the current directory and the installed "
-                "packages; for a file, give path/to/file.py:function)"
-            ) from None
-        raise UsageError(f"importing {name} failed: {_describe(exc)}") from None
-    except Exception as exc:
-        raise UsageError(f"importing {name} failed: {_describe(exc)}") from None
-
-
-def load_pipeline(spec: str) -> Callable[..., Any]:
-    """The function PIPELINE names. Raises UsageError with a clear message."""
-    target, func, is_file = parse_pipeline(spec)
-    module = _import_file(target) if is_file else _import_module(target)
-    obj: Any = module
-    for part in func.split("."):
-        if not hasattr(obj, part):
-            public = sorted(
-                n
-                for n, v in vars(module).items()
-                if callable(v) and not n.startswith("_") and getattr(v, "__module__", None) == module.__name__
-            )
-            hint = f"; it defines {', '.join(public[:12])}" if public else ""
-            raise UsageError(f"{target} has no function {func!r}{hint}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise UsageError(f"{target}:{func} is a {type(obj).__name__}, not a function")
-    return obj
-
-
-def _describe(exc: BaseException) -> str:
-    """One line for an exception: type, message and where it was raised."""
-    text = f"{type(exc).__name__}: {exc}"
-    frames = traceback.extract_tb(exc.__traceback__)
-    if frames and frames[-1].filename != __file__:
-        last = frames[-1]
-        text += f" (at {last.filename}:{last.lineno})"
-    return text
-
-
-def call_pipeline(function: Callable[..., Any], spec: str, kwargs: dict[str, Any]) -> Any:
-    """Call the pipeline function; an exception in it becomes one UsageError line."""
-    try:
-        return function(**kwargs)
-    except Exception as exc:
-        log.debug("the pipeline raised", exc_info=True)
-        raise UsageError(f"pipeline {spec} raised {_describe(exc)}") from None
 
 
 # ---------------------------------------------------------------------------- serve
@@ -751,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else EXIT_USAGE)
     try:
         return int(args.run(args))
-    except UsageError as exc:
+    except (UsageError, PipelineError) as exc:
         _error(str(exc))
         return EXIT_USAGE
     except (RuntimeError, PermissionError) as exc:  # e.g. "already serving", a bad runtime dir

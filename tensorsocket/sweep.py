@@ -44,8 +44,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import importlib
-import importlib.util
 import itertools
 import json
 import os
@@ -57,18 +55,17 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from types import ModuleType
 from typing import IO, Any
 
 from . import endpoint as endpoints
+from .pipeline import PipelineError, convert, describe, keyvalue
+from .pipeline import load as load_pipeline
 
-__all__ = ["add_arguments", "load_pipeline", "main", "parse_result", "run"]
+__all__ = ["add_arguments", "main", "parse_result", "run"]
 
 RESULT_PREFIX = "RESULT "
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -88,16 +85,6 @@ class SweepError(Exception):
 # ---------------------------------------------------------------------------- arguments
 
 
-def _convert(value: str) -> int | float | str:
-    """int if it parses as one, else float, else the string itself."""
-    for kind in (int, float):
-        try:
-            return kind(value)
-        except ValueError:
-            pass
-    return value
-
-
 def _grid(text: str) -> tuple[str, list[str]]:
     key, sep, values = text.partition("=")
     key = key.strip()
@@ -111,14 +98,6 @@ def _grid(text: str) -> tuple[str, list[str]]:
     if len(set(items)) != len(items):
         raise argparse.ArgumentTypeError(f"{text!r}: a value is repeated")
     return key, items
-
-
-def _pipeline_arg(text: str) -> tuple[str, int | float | str]:
-    key, sep, value = text.partition("=")
-    key = key.strip()
-    if not sep or not key.isidentifier():
-        raise argparse.ArgumentTypeError(f"expected key=value with a Python identifier as key, got {text!r}")
-    return key, _convert(value)
 
 
 def _positive(text: str) -> int:
@@ -151,7 +130,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--pipeline-arg",
         dest="pipeline_args",
         action="append",
-        type=_pipeline_arg,
+        type=keyvalue,
         default=[],
         metavar="KEY=VALUE",
         help="keyword argument for the pipeline function (repeatable; numbers become int/float)",
@@ -195,78 +174,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # ---------------------------------------------------------------------------- pipelines
-
-
-def load_pipeline(spec: str) -> Callable[..., Any]:
-    """The function a ``module:function`` or ``path/to/file.py:function`` string names.
-
-    Raises SweepError with a message that says what is wrong. A file is imported under its
-    own name with its folder on ``sys.path`` (as ``python file.py`` would see it), so what it
-    defines can be pickled into DataLoader worker processes; a module is looked up in the
-    current directory too."""
-    target, sep, attr = spec.rpartition(":")
-    if not sep or not target or not attr or not all(p.isidentifier() for p in attr.split(".")):
-        raise SweepError(
-            f"--pipeline {spec!r} must be module:function or path/to/file.py:function "
-            "(e.g. producer.synthetic:make_loader or ./pipeline.py:make_loader)"
-        )
-    if target.endswith(".py") or "/" in target:
-        module = _import_file(spec, Path(target).expanduser())
-    else:
-        if not all(p.isidentifier() for p in target.split(".")):
-            raise SweepError(f"--pipeline {spec!r}: {target!r} is neither a module name nor a .py file")
-        cwd = os.getcwd()
-        if cwd not in sys.path and "" not in sys.path:
-            sys.path.insert(0, cwd)
-        try:
-            module = importlib.import_module(target)
-        except ModuleNotFoundError as exc:
-            if exc.name is not None and (target == exc.name or target.startswith(exc.name + ".")):
-                raise SweepError(
-                    f"--pipeline {spec!r}: no module named {exc.name!r} (for a file, give path/to/file.py:function)"
-                ) from None
-            raise SweepError(f"--pipeline {spec!r}: importing {target} failed: {_describe(exc)}") from None
-        except Exception as exc:
-            raise SweepError(f"--pipeline {spec!r}: importing {target} failed: {_describe(exc)}") from None
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise SweepError(f"--pipeline {spec!r}: {target} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise SweepError(f"--pipeline {spec!r}: {attr} is a {type(obj).__name__}, not a function")
-    return obj
-
-
-def _import_file(spec: str, path: Path) -> ModuleType:
-    if not path.is_file():
-        raise SweepError(f"--pipeline {spec!r}: the file {path} does not exist")
-    path = path.resolve()
-    folder = str(path.parent)
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    name = path.stem if path.stem.isidentifier() and path.stem not in sys.modules else None
-    name = name or f"_tensorsocket_pipeline_{uuid.uuid4().hex[:8]}"
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise SweepError(f"--pipeline {spec!r}: {path} cannot be imported as Python source")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as exc:
-        del sys.modules[name]
-        raise SweepError(f"--pipeline {spec!r}: importing {path} failed: {_describe(exc)}") from None
-    return module
-
-
-def _describe(exc: BaseException) -> str:
-    """One line for an exception: its type, message and the line that raised it."""
-    text = f"{type(exc).__name__}: {exc}"
-    frames = traceback.extract_tb(exc.__traceback__)
-    if frames and frames[-1].filename != __file__:
-        text += f" (at {frames[-1].filename}:{frames[-1].lineno})"
-    return text
 
 
 # ---------------------------------------------------------------------------- trials
@@ -672,7 +579,7 @@ def write_summary(trials: list[Trial], logs: Path, meta: dict[str, Any]) -> None
     records = [
         {
             "trial": t.name,
-            "params": {k: _convert(v) for k, v in t.params.items()},
+            "params": {k: convert(v) for k, v in t.params.items()},
             "command": t.command,
             "status": t.status,
             "exit_code": t.exit_code,
@@ -732,7 +639,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the sweep described by ``args`` (from a parser set up by :func:`add_arguments`)."""
     try:
         name, logs, trials = _prepare(args)
-    except SweepError as exc:
+    except (SweepError, PipelineError) as exc:
         print(f"tensorsocket sweep: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     parallel = min(args.parallel or len(trials), len(trials))
@@ -775,7 +682,7 @@ def run(args: argparse.Namespace) -> int:
         display.event(f"{signal.Signals(signum).name}: stopping the trainers and the producer")
         _terminate(trials)
         code = 128 + signum if signum != signal.SIGINT else EXIT_INTERRUPTED
-    except SweepError as exc:
+    except (SweepError, PipelineError) as exc:
         error = str(exc)
         code = EXIT_USAGE
     finally:
@@ -814,9 +721,7 @@ def _serve(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m tensorsocket.sweep _serve")
     parser.add_argument("--pipeline", required=True)
-    parser.add_argument(
-        "--pipeline-arg", dest="pipeline_args", action="append", type=_pipeline_arg, default=[]
-    )
+    parser.add_argument("--pipeline-arg", dest="pipeline_args", action="append", type=keyvalue, default=[])
     parser.add_argument("--name", required=True)
     parser.add_argument("--slots", type=_positive, default=8)
     parser.add_argument("--epochs", type=_positive, default=1)
@@ -834,13 +739,13 @@ def _serve(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, on_term)
     try:
         function = load_pipeline(args.pipeline)
-    except SweepError as exc:
+    except (SweepError, PipelineError) as exc:
         log.error("%s", exc)
         return EXIT_USAGE
     try:
         loader = function(**dict(args.pipeline_args))
     except Exception as exc:
-        log.error("the pipeline %s raised %s", args.pipeline, _describe(exc), exc_info=True)
+        log.error("the pipeline %s raised %s", args.pipeline, describe(exc), exc_info=True)
         return EXIT_USAGE
     try:
         producer = Producer(loader, name=args.name, slots=args.slots, min_consumers=1)

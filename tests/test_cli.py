@@ -17,15 +17,11 @@ from pathlib import Path
 import pytest
 
 from tensorsocket import Consumer, endpoint
-from tensorsocket.cli import (
-    UsageError,
-    _convert,
-    format_status,
-    gpu_lines,
-    load_pipeline,
-    main,
-    parse_pipeline,
-)
+from tensorsocket.cli import format_status, gpu_lines, main
+from tensorsocket.pipeline import PipelineError
+from tensorsocket.pipeline import convert as _convert
+from tensorsocket.pipeline import load as load_pipeline
+from tensorsocket.pipeline import parse as parse_pipeline
 from tests.support import shm_segments, unique_name
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -203,9 +199,9 @@ def test_parsing_in_process(pipeline: Path, capsys: pytest.CaptureFixture[str]) 
     assert parse_pipeline("x.py:Maker.build") == ("x.py", "Maker.build", True)
     assert [_convert(v) for v in ("3", "-2", "0.5", "1e-3", "abc", "")] == [3, -2, 0.5, 1e-3, "abc", ""]
     for bad in ("nocolon", ":f", "mod:", "mod:f-g", "a b:f"):
-        with pytest.raises(UsageError):
+        with pytest.raises(PipelineError):
             parse_pipeline(bad)
-    with pytest.raises(UsageError, match="is a int, not a function"):
+    with pytest.raises(PipelineError, match="is a int, not a function"):
         load_pipeline(f"{pipeline}:NOT_A_FUNCTION")
     assert load_pipeline(f"{pipeline}:make")(batches=2)[1].tolist() == [1.0] * 4
     assert main(["serve", f"{pipeline}:make", "--arg", "batches"]) == 2  # argparse: before any logging setup
