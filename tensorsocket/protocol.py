@@ -21,6 +21,8 @@ VERSION = 1
 MAX_REQUEST_BYTES = 64 * 1024
 #: Largest frame a producer may send (a BATCH whose layout has very many leaves).
 MAX_REPLY_BYTES = 16 * 1024 * 1024
+#: Most seqs one RELEASE may carry; a consumer sends more in several messages.
+MAX_RELEASE_SEQS = 4096
 _MAX_INT = 2**63 - 1
 
 
@@ -111,7 +113,7 @@ SCHEMA: dict[Kind, dict[str, Callable[[Any], bool]]] = {
     },
     Kind.EPOCH_END: {"seq": _int(), "epoch": _int()},
     Kind.END: {"seq": _int(), "reason": _opt(_str(4096))},
-    Kind.RELEASE: {"seqs": _ints(4096)},
+    Kind.RELEASE: {"seqs": _ints(MAX_RELEASE_SEQS)},
     Kind.HEARTBEAT: {},
     Kind.BYE: {},
     Kind.MODIFIED: {"seq": _int(), "epoch": _int(), "index": _int()},

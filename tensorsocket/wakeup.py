@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import weakref
 
 
@@ -45,3 +46,13 @@ class Wakeup:
     def close(self) -> None:
         self._r = self._w = -1
         self._finalizer()  # closes the pipe once
+
+
+def stop_loop(stop: threading.Event, wakeup: Wakeup, thread: threading.Thread) -> None:
+    """Stop a poll loop thread: set its stop event, wake it, and join it (never from itself).
+    Also run at interpreter exit, so zmq is not torn down under a daemon thread still using a
+    socket (that aborts the process)."""
+    stop.set()
+    wakeup.wake()
+    if thread is not threading.current_thread():
+        thread.join(timeout=2.0)
