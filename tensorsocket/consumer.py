@@ -39,7 +39,7 @@ from .host import boot_id, pid_alive, pid_namespace, same_host
 from .protocol import Kind
 from .transport import ArenaMap
 from .transport.shm import ArenaInfo
-from .wakeup import Wakeup
+from .wakeup import Wakeup, stop_loop
 
 log = logging.getLogger("tensorsocket")
 
@@ -93,8 +93,9 @@ class Consumer:
 
         self._queue: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._released: collections.deque[tuple[int, Any, int, int | None, int, int]] = collections.deque()
-        self._live: set[int] = set()  # seqs built and not yet released
-        self._live_lock = threading.Lock()
+        # seqs built and not yet dropped by the user (set.add / discard / len are atomic
+        # under the GIL, so finalizers in any thread may change it without a lock)
+        self._live: set[int] = set()
         self._wakeup = Wakeup()
         self._stop = threading.Event()
         self._closed = False
@@ -103,7 +104,9 @@ class Consumer:
         self._violation: str | None = None
         self._error: Exception | None = None
         self._stream_over = False  # END or an error arrived: the producer may now go away
-        self._io_tick = time.monotonic()  # when the I/O thread last began a loop
+        self._io_tick = time.monotonic()  # when the I/O thread's poll last returned
+        self._synced = threading.Event()  # cleared after a freeze until the producer answers
+        self._synced.set()
         self._arenas = ArenaMap()
 
         self._ctx = zmq.Context.instance()
@@ -141,7 +144,7 @@ class Consumer:
         self._io.start()
         # At interpreter exit (or when dropped), stop the thread before zmq is torn down
         # under it: a daemon thread still using its socket then aborts the process.
-        weakref.finalize(self, _stop_thread, self._stop, self._wakeup, self._io)
+        weakref.finalize(self, stop_loop, self._stop, self._wakeup, self._io)
 
     # ------------------------------------------------------------------ public API
 
@@ -237,16 +240,26 @@ class Consumer:
 
     def _catch_up_after_freeze(self) -> None:
         """After this process was frozen (SIGSTOP, a debugger) for longer than the producer
-        waits, it was evicted and its queued batches' slots may hold other data by now; the
-        EVICTED message is still unread in the socket. Eviction takes more than ``timeout``
-        of silence, so an I/O loop that last ran over ``timeout / 2`` ago means a freeze:
-        let the I/O thread run once (it reads EVICTED) before a batch is handed out."""
+        waits, it was evicted and its queued batches' slots may hold other data by now, but
+        the EVICTED message may not be read yet. The I/O thread notices the freeze at its next
+        turn (a gap over ``timeout / 2``; eviction needs more than ``timeout``) and asks the
+        producer something; its answer comes after EVICTED. So: if the I/O thread has not
+        turned since the freeze, wait for it to; then wait for the answer."""
         seen = self._io_tick
-        if time.monotonic() - seen <= self.timeout / 2:
+        if time.monotonic() - seen > self.timeout / 2:
+            deadline = time.monotonic() + 1.0
+            while self._io_tick == seen and self._io.is_alive() and time.monotonic() < deadline:
+                time.sleep(0.002)
+        if self._synced.is_set():
             return
-        deadline = time.monotonic() + 1.0
-        while self._io_tick == seen and self._io.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.002)
+        deadline = time.monotonic() + self.timeout
+        while not self._synced.wait(0.01):
+            if not self._io.is_alive():
+                return  # it stopped: _next raises the error it left
+            if time.monotonic() > deadline:
+                raise ProducerLost(
+                    f"the producer at {self.endpoint} did not answer after this process was frozen"
+                )
 
     def _skip_rest_of_epoch(self) -> None:
         while self._mid_epoch:
@@ -257,14 +270,10 @@ class Consumer:
 
     def _check_hoarding(self) -> None:
         limit = min(self._prefetch, self.slots)
-        with self._live_lock:
-            live = len(self._live)
-        if live < limit:
+        if len(self._live) < limit:
             return
         gc.collect()  # batches kept alive only by reference cycles
-        time.sleep(_TICK)  # let the I/O thread process the releases that caused
-        with self._live_lock:
-            live = len(self._live)
+        live = len(self._live)
         if live >= limit:
             raise TensorSocketError(
                 f"this consumer holds {live} batches, all it may hold (prefetch={self._prefetch}, "
@@ -316,13 +325,21 @@ class Consumer:
         poller.register(self._socket, zmq.POLLIN)
         poller.register(self._wakeup.fd, zmq.POLLIN)
         now = time.monotonic()
-        return _IoState(poller, now, now)
+        return _IoState(poller, now, now, now)
 
     def _io_once(self, state: _IoState) -> bool:
         """One turn of the I/O loop; False when this consumer's stream is over."""
-        self._io_tick = time.monotonic()  # see _catch_up_after_freeze
         events = dict(state.poller.poll(int(_TICK * 1000)))
         now = time.monotonic()
+        if now - state.last_awake > self.timeout / 2:
+            # We were frozen (SIGSTOP, a debugger), maybe inside poll: the producer's silence
+            # was ours, so give it a fresh window; and ask it something. Its answer comes after
+            # anything it sent while we were frozen (EVICTED, say): once here, that was read.
+            state.last_seen = max(state.last_seen, now)
+            self._synced.clear()
+            self._send(protocol.encode(Kind.STATUS, status=None))
+        state.last_awake = now
+        self._io_tick = now  # see _catch_up_after_freeze
         if self._socket in events:
             state.last_seen = now
             if not self._receive():
@@ -340,7 +357,9 @@ class Consumer:
             self._fail(ProducerLost(f"the producer at {self.endpoint} (pid {self._producer_pid}) died"))
             return False
         if now - state.last_seen > self.timeout:
-            self._fail(ProducerLost(f"no message from the producer at {self.endpoint} for {self.timeout:g} s"))
+            self._fail(
+                ProducerLost(f"no message from the producer at {self.endpoint} for {self.timeout:g} s")
+            )
             return False
         return True
 
@@ -349,10 +368,7 @@ class Consumer:
         self._queue.put((_ERROR, exc))
 
     def _send(self, frame: bytes) -> None:
-        try:
-            self._socket.send(frame, zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # no producer connected any more: nobody to tell
+        _send_quietly(self._socket, frame)
 
     def _receive(self) -> bool:
         """Handle every waiting message; False when the stream is over for this consumer."""
@@ -383,13 +399,16 @@ class Consumer:
                     evicted = Evicted(
                         f"the producer at {self.endpoint} evicted this consumer: {msg['reason']}"
                     )
-                    if not self._stream_over:  # mid-stream, our queued batches' slots get reused
-                        self._error = evicted  # so never yield them (after END nothing is reused)
+                    # Mid-stream (after END the branch above applies): our queued batches' slots
+                    # get reused, so never yield them.
+                    self._error = evicted
                     self._fail(evicted)
                     return False
                 elif kind is Kind.ERROR:
                     log.error("the producer at %s reports: %s", self.endpoint, msg["reason"])
-                elif kind not in (Kind.HEARTBEAT, Kind.STATUS):
+                elif kind is Kind.STATUS:
+                    self._synced.set()
+                elif kind is not Kind.HEARTBEAT:
                     raise ProtocolError(f"unexpected {kind.value} message from the producer")
             except (ProtocolError, KeyError, ValueError) as exc:
                 self._fail(ProtocolError(f"bad message from the producer at {self.endpoint}: {exc}"))
@@ -401,13 +420,13 @@ class Consumer:
         nbytes = msg["layout"][2]
         region = self._arenas.region(slot, nbytes)
         seq = msg["seq"]
-        with self._live_lock:
-            self._live.add(seq)
+        self._live.add(seq)
         # The finalizer keeps the mapping (not the region) so the release check reads the
         # very memory this batch lived in.
         release = weakref.finalize(
             region,
             _release_later,
+            self._live,
             self._released,
             self._wakeup,
             (seq, region.base, nbytes, msg["fingerprint"], msg["epoch"], msg["index"]),
@@ -429,10 +448,9 @@ class Consumer:
             seqs.append(seq)
         if not seqs:
             return False
-        with self._live_lock:
-            self._live.difference_update(seqs)
-        for start in range(0, len(seqs), 4096):
-            self._send(protocol.encode(Kind.RELEASE, seqs=seqs[start : start + 4096]))
+        step = protocol.MAX_RELEASE_SEQS
+        for start in range(0, len(seqs), step):
+            self._send(protocol.encode(Kind.RELEASE, seqs=seqs[start : start + step]))
         return True
 
     def _report_modified(self, seq: int, epoch: int, index: int) -> None:
@@ -450,20 +468,24 @@ class Consumer:
 @dataclass
 class _IoState:
     poller: zmq.Poller
-    last_seen: float
-    last_sent: float
+    last_seen: float  # last message from the producer
+    last_sent: float  # last message to it
+    last_awake: float  # when poll last returned: a long gap means this process was frozen
 
 
-def _stop_thread(stop: threading.Event, wakeup: Wakeup, thread: threading.Thread) -> None:
-    stop.set()
-    wakeup.wake()
-    if thread is not threading.current_thread():
-        thread.join(timeout=2.0)
+def _send_quietly(sock: zmq.Socket, frame: bytes) -> None:
+    try:
+        sock.send(frame, zmq.NOBLOCK)
+    except zmq.Again:
+        pass  # no producer connected any more: nobody to tell
 
 
-def _release_later(released: collections.deque[Any], wakeup: Wakeup, item: tuple[Any, ...]) -> None:
+def _release_later(
+    live: set[int], released: collections.deque[Any], wakeup: Wakeup, item: tuple[Any, ...]
+) -> None:
     """A batch's finalizer: runs in whichever thread dropped its last view. It must not touch
     the socket, and it references no Consumer, so a dropped Consumer can be collected."""
+    live.discard(item[0])
     released.append(item)
     wakeup.wake()
 
@@ -488,10 +510,7 @@ def _io_thread(ref: weakref.ref[Consumer], sock: zmq.Socket, stop: threading.Eve
         if consumer is not None:
             consumer._send_releases()
             del consumer
-        try:
-            sock.send(protocol.encode(Kind.BYE), zmq.NOBLOCK)
-        except zmq.Again:
-            pass
+        _send_quietly(sock, protocol.encode(Kind.BYE))
     except Exception as exc:
         log.exception("consumer I/O thread for %s failed", endpoint)
         consumer = ref()

@@ -32,7 +32,7 @@ from .flow import Deliver, Flow
 from .host import boot_id, pid_alive, pid_namespace, same_host
 from .protocol import Kind
 from .transport import SlotPool, sweep_stale
-from .wakeup import Wakeup
+from .wakeup import Wakeup, stop_loop
 
 log = logging.getLogger("tensorsocket")
 
@@ -221,7 +221,9 @@ class Producer:
         except TimeoutError:
             log.warning(
                 "closing %s with %d consumer(s) not finished after linger=%g s; they get ProducerLost",
-                self.endpoint, len(self._peers), self.linger,
+                self.endpoint,
+                len(self._peers),
+                self.linger,
             )
         except TensorSocketError:
             pass  # the I/O thread is already gone
@@ -361,8 +363,8 @@ class Producer:
         return self._flow.ended and not self._peers
 
     def _check_open(self) -> None:
-        if self._closed:
-            raise TensorSocketError(f"producer on {self.endpoint} is closed")
+        if self._closed:  # _Closed: serve() and producer loops end quietly when close() was asked
+            raise _Closed(f"producer on {self.endpoint} is closed")
 
     def _release_lock(self) -> None:
         if self._lock_file is not None:
@@ -551,10 +553,7 @@ class Producer:
 
 
 def _stop_at_exit(stop: threading.Event, wakeup: Wakeup, thread: threading.Thread, pool: SlotPool) -> None:
-    stop.set()
-    wakeup.wake()
-    if thread is not threading.current_thread():
-        thread.join(timeout=2.0)
+    stop_loop(stop, wakeup, thread)
     pool.close()
 
 
