@@ -1,28 +1,44 @@
-"""The pure state machine of slots, consumers, cursors and epochs: events in, deliveries out.
+"""The pure state machine of places, consumers, cursors and epochs: events in, actions out.
 
 No sockets, clocks or threads: the producer's I/O loop feeds it events (a consumer joined,
-released, left; the producer reserved a slot, published a batch, ended an epoch or the
-stream) and sends the :class:`Deliver` actions it returns. Everything about correctness
-lives here and is property-tested.
+released, left; the producer reserved a place, published a batch, ended an epoch or the
+stream) and carries out the :class:`Deliver` and :class:`Skipped` actions it returns.
+Everything about correctness lives here and is property-tested.
 
 The stream is a log of entries numbered by a global sequence ``seq``: BATCH entries (each
-in a slot), EPOCH_END markers and one final END. Each consumer has a ``cursor`` (the next
-seq it will be sent, or ``None`` while it waits for the next epoch boundary) and the set of
-batches it ``held`` (sent and not yet released), at most ``prefetch`` of them.
+in a *place*: a slot of shared memory), EPOCH_END markers and one final END. Each consumer
+has a ``cursor`` (the next seq it will be sent, or ``None`` while it waits for the next
+epoch boundary) and the batches it ``held`` (sent and not yet released), at most
+``prefetch`` of them. A consumer's *lag* is the number of published batches it has not
+been sent yet.
+
+Flow control: the producer publishes only while every consumer's lag is below ``window``
+(so it runs at most ``window`` batches ahead of the slowest: the slowest sets the pace),
+into a place nobody holds or still needs. There are ``places >= window`` places; the ones
+beyond the window keep already-consumed batches resident, oldest overwritten first, so a
+late joiner can be sent them again (the replay buffer). The loader is never re-run.
+
+Stragglers, with ``max_lag`` set (policy ``skip``): a consumer whose lag would exceed
+``max_lag`` is moved ahead past its oldest unsent batches, which it never receives; a
+:class:`Skipped` action tells it how many, right where the gap is. Epoch markers are never
+skipped. A joiner that starts behind (a replay) is exempt until it has caught up to
+``max_lag``; meanwhile the others wait for it, as in ``stall``.
+
+Joining (per consumer, :class:`LateJoin`): at an epoch's start, or after END, every policy
+starts right there. Otherwise ``replay`` starts at the current epoch's first batch if every
+batch of the epoch is still resident (the others wait for it), else at the next boundary;
+``next_epoch`` waits for the boundary; ``now`` starts at the oldest batch from which the
+stream is resident without a gap (its first epoch is partial).
 
 Invariants (checked by :meth:`Flow.check`):
 
-* every slot is FREE (never written), FILLING (reserved by the producer, no holders) or
+* every place is FREE (never written), FILLING (reserved by the producer, no holders) or
   PUBLISHED (holds batch ``seq``; its holders are exactly the consumers holding ``seq``);
-* a slot is reserved only when no consumer holds its batch and every consumer's cursor is
+* a place is reserved only when no consumer holds its batch and every consumer's cursor is
   past it, so held or not-yet-sent batches are never overwritten;
-* each consumer receives a contiguous run of entries, each once, in seq order, starting
-  at an epoch's first entry (the whole epoch) - never in the middle of one;
-* progress: when every consumer releases what it holds, a slot becomes reservable.
-
-Joining: a consumer that arrives while every batch of the current epoch is still resident
-in a slot starts at the epoch's first batch (the others simply wait for it); otherwise it
-waits for the next epoch boundary. After END, a joiner is sent END at once.
+* each consumer receives a contiguous run of entries (gaps only where a Skipped says so,
+  and only of batches), each once, in seq order, starting where its policy says;
+* progress: when every consumer releases what it holds, a place becomes reservable.
 """
 
 from __future__ import annotations
@@ -37,6 +53,14 @@ class EntryKind(Enum):
     BATCH = "batch"
     EPOCH_END = "epoch_end"
     END = "end"
+
+
+class LateJoin(str, Enum):
+    """Where a consumer that joins mid-epoch starts (see the module docstring)."""
+
+    REPLAY = "replay"
+    NEXT_EPOCH = "next_epoch"
+    NOW = "now"
 
 
 @dataclass(frozen=True)
@@ -55,6 +79,18 @@ class Deliver:
 
     consumer: Hashable
     entry: Entry
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """Action: tell ``consumer`` that its next ``count`` batches were skipped (it lagged more
+    than ``max_lag``); what it is sent next follows them."""
+
+    consumer: Hashable
+    count: int
+
+
+Action = Deliver | Skipped
 
 
 class SlotState(IntEnum):
@@ -79,21 +115,36 @@ class ConsumerState:
 
     prefetch: int
     cursor: int | None
+    policy: LateJoin = LateJoin.REPLAY
     held: dict[int, int] = field(default_factory=dict)  # seq -> slot
-    received: int = 0  # batches sent, for status
+    received: int = 0  # batches sent
+    skipped: int = 0  # batches jumped over (policy skip)
     finished: bool = False  # END was sent
+    catching_up: bool = False  # joined behind by more than the lag limit, not yet caught up
 
 
 class Flow:
-    """Slots, consumers and the stream log. See the module docstring for the rules."""
+    """Places, consumers and the stream log. See the module docstring for the rules."""
 
-    def __init__(self, slots: int) -> None:
-        if type(slots) is not int or slots < 1:
-            raise ValueError(f"slots must be a positive int, got {slots!r}")
-        self._slots = [_Slot() for _ in range(slots)]
+    def __init__(self, window: int, places: int | None = None, max_lag: int | None = None) -> None:
+        if type(window) is not int or window < 1:
+            raise ValueError(f"window (slots) must be a positive int, got {window!r}")
+        places = window if places is None else places
+        if type(places) is not int or places < window:
+            raise ValueError(f"places must be an int >= window ({window}), got {places!r}")
+        if max_lag is not None and (type(max_lag) is not int or not 1 <= max_lag < window):
+            raise ValueError(
+                f"max_lag must be an int from 1 to slots - 1 = {window - 1}, got {max_lag!r}: a consumer "
+                "can only lag behind by batches the producer still keeps"
+            )
+        self.window = window
+        self.max_lag = max_lag
+        self._slots = [_Slot() for _ in range(places)]
         self._log: dict[int, Entry] = {}
+        self._before: dict[int, int] = {}  # seq -> batches published before it
         self._consumers: dict[Hashable, ConsumerState] = {}
         self.next_seq = 0
+        self.published = 0  # batches
         self.epoch = 0  # the epoch being published
         self._epoch_start = 0  # seq of the current epoch's first entry
         # True while no batch of the current epoch has been overwritten, i.e. while a
@@ -118,20 +169,37 @@ class Flow:
     def holders(self, slot: int) -> frozenset[Hashable]:
         return frozenset(self._slots[slot].holders)
 
+    def lag(self, cid: Hashable) -> int:
+        """Published batches ``cid`` has not been sent yet (0 while it waits for a boundary)."""
+        return self._lag(self._consumers[cid])
+
+    def resident(self) -> int:
+        """Published batches still in a place (in flight or kept for replay)."""
+        return sum(s.state is SlotState.PUBLISHED for s in self._slots)
+
     # ------------------------------------------------------------------ membership
 
-    def join(self, cid: Hashable, prefetch: int) -> list[Deliver]:
+    def join(self, cid: Hashable, prefetch: int, policy: LateJoin = LateJoin.REPLAY) -> list[Action]:
+        """Add a consumer; ``prefetch`` is capped at the window."""
         if cid in self._consumers:
             raise ValueError(f"consumer {cid!r} already joined")
         if type(prefetch) is not int or prefetch < 1:
             raise ValueError(f"prefetch must be a positive int, got {prefetch!r}")
+        policy = LateJoin(policy)
+        cursor: int | None
         if self.ended:
-            cursor: int | None = self.next_seq - 1  # the END entry, always kept
-        elif self._replay_open:
-            cursor = self._epoch_start
+            cursor = self.next_seq - 1  # the END entry, always kept
+        elif self.next_seq == self._epoch_start:
+            cursor = self.next_seq  # at a boundary: everyone starts with the next epoch
+        elif policy is LateJoin.REPLAY:
+            cursor = self._epoch_start if self._replay_open else None
+        elif policy is LateJoin.NOW:
+            cursor = self._oldest_replayable()
         else:
             cursor = None
-        state = self._consumers[cid] = ConsumerState(prefetch=prefetch, cursor=cursor)
+        state = ConsumerState(prefetch=min(prefetch, self.window), cursor=cursor, policy=policy)
+        self._consumers[cid] = state
+        state.catching_up = cursor is not None and self._lag(state) > self._lag_limit()
         return self._deliver(cid, state)
 
     def leave(self, cid: Hashable) -> None:
@@ -143,7 +211,7 @@ class Flow:
             self._slots[slot].holders.discard(cid)
         self._trim()
 
-    def release(self, cid: Hashable, seqs: Iterable[int]) -> list[Deliver]:
+    def release(self, cid: Hashable, seqs: Iterable[int]) -> list[Action]:
         """A consumer is done with these batches. Unknown or repeated seqs are ignored."""
         state = self._consumers.get(cid)
         if state is None:
@@ -158,14 +226,23 @@ class Flow:
 
     # ------------------------------------------------------------------ producer side
 
-    def reserve(self) -> int | None:
-        """Pick a slot to write the next batch into, or None if every slot is still needed.
+    def add_places(self, n: int) -> None:
+        """More places (the producer sizes its replay buffer once it knows a batch's bytes)."""
+        if type(n) is not int or n < 0:
+            raise ValueError(f"n must be a non-negative int, got {n!r}")
+        self._slots.extend(_Slot() for _ in range(n))
 
-        Prefers a never-used slot, then the one holding the oldest batch (so the batches that
+    def reserve(self) -> int | None:
+        """Pick a place to write the next batch into, or None while the window is full or
+        every place is still needed.
+
+        Prefers a never-used place, then the one holding the oldest batch (so the batches that
         stay resident, and so replayable, are the most recent ones).
         """
         if self.ended:
             raise RuntimeError("the stream has ended; nothing more can be published")
+        if not self._window_open():
+            return None
         best: int | None = None
         for i, s in enumerate(self._slots):
             if s.state is SlotState.FREE:
@@ -182,21 +259,29 @@ class Flow:
         return best
 
     def cancel(self, slot: int) -> None:
-        """Give back a reserved slot that was not published (the write failed)."""
+        """Give back a reserved place that was not published (the write failed)."""
         s = self._slots[slot]
         if s.state is not SlotState.FILLING:
             raise RuntimeError(f"slot {slot} is not being filled")
         s.state = SlotState.FREE
 
-    def publish(self, slot: int, payload: Any) -> list[Deliver]:
-        """The reserved ``slot`` now holds batch ``next_seq``; send it to whoever may take it."""
+    def publish(self, slot: int, payload: Any) -> list[Action]:
+        """The reserved ``slot`` now holds batch ``next_seq``; send it to whoever may take it,
+        and (policy skip) move consumers lagging more than ``max_lag`` ahead."""
         s = self._slots[slot]
         if s.state is not SlotState.FILLING:
             raise RuntimeError(f"slot {slot} was not reserved")
         s.state, s.seq = SlotState.PUBLISHED, self.next_seq
-        return self._append(EntryKind.BATCH, slot, payload)
+        out = self._append(EntryKind.BATCH, slot, payload)
+        if self.max_lag is not None:
+            # A consumer still catching up never lags that far: the window waits for it.
+            for cid, state in self._consumers.items():
+                if self._lag(state) > self.max_lag:
+                    out.extend(self._skip(cid, state))
+            self._trim()
+        return out
 
-    def end_epoch(self, payload: Any) -> list[Deliver]:
+    def end_epoch(self, payload: Any) -> list[Action]:
         """Append an EPOCH_END marker; consumers waiting for a boundary start after it."""
         out = self._append(EntryKind.EPOCH_END, None, payload)
         self.epoch += 1
@@ -207,7 +292,7 @@ class Flow:
                 state.cursor = self.next_seq
         return out
 
-    def end_stream(self, payload: Any) -> list[Deliver]:
+    def end_stream(self, payload: Any) -> list[Action]:
         """Append END; every consumer, including waiting ones, is sent it after its batches."""
         end_seq = self.next_seq
         for state in self._consumers.values():
@@ -219,20 +304,23 @@ class Flow:
 
     # ------------------------------------------------------------------ internals
 
-    def _append(self, kind: EntryKind, slot: int | None, payload: Any) -> list[Deliver]:
+    def _append(self, kind: EntryKind, slot: int | None, payload: Any) -> list[Action]:
         if self.ended:
             raise RuntimeError("the stream has ended; nothing more can be published")
         entry = Entry(self.next_seq, kind, slot, payload)
         self._log[entry.seq] = entry
+        self._before[entry.seq] = self.published
         self.next_seq += 1
-        out: list[Deliver] = []
+        if kind is EntryKind.BATCH:
+            self.published += 1
+        out: list[Action] = []
         for cid, state in self._consumers.items():
             out.extend(self._deliver(cid, state))
         self._trim()
         return out
 
-    def _deliver(self, cid: Hashable, state: ConsumerState) -> list[Deliver]:
-        out = []
+    def _deliver(self, cid: Hashable, state: ConsumerState) -> list[Action]:
+        out: list[Action] = []
         while state.cursor is not None and state.cursor < self.next_seq:
             entry = self._log[state.cursor]
             if entry.kind is EntryKind.BATCH:
@@ -245,7 +333,50 @@ class Flow:
                 state.finished = True
             out.append(Deliver(cid, entry))
             state.cursor += 1
+        if state.catching_up and self._lag(state) <= self._lag_limit():
+            state.catching_up = False
         return out
+
+    def _skip(self, cid: Hashable, state: ConsumerState) -> list[Action]:
+        """Move a straggler's cursor past its oldest unsent batches until its lag is
+        ``max_lag``, delivering the epoch markers it passes."""
+        out: list[Action] = []
+        count = 0
+        while self._lag(state) > self.max_lag:  # type: ignore[operator]
+            entry = self._log[state.cursor]  # type: ignore[index]
+            if entry.kind is EntryKind.BATCH:
+                count += 1
+            else:  # a marker: say what was skipped before it, then send it
+                if count:
+                    out.append(Skipped(cid, count))
+                    state.skipped += count
+                    count = 0
+                out.append(Deliver(cid, entry))
+            state.cursor += 1  # type: ignore[operator]
+        if count:
+            out.append(Skipped(cid, count))
+            state.skipped += count
+        out.extend(self._deliver(cid, state))
+        return out
+
+    def _lag(self, state: ConsumerState) -> int:
+        if state.cursor is None or state.cursor >= self.next_seq:
+            return 0
+        return self.published - self._before[state.cursor]
+
+    def _lag_limit(self) -> int:
+        return self.window if self.max_lag is None else self.max_lag
+
+    def _window_open(self) -> bool:
+        """May batch ``next_seq`` be published? Not while any consumer lags ``window`` batches
+        behind (or, catching up under skip, ``max_lag``): after it, none lags more."""
+        for state in self._consumers.values():
+            if state.cursor is None or state.finished:
+                continue
+            limit = self.max_lag if state.catching_up and self.max_lag is not None else self.window
+            if self._lag(state) >= limit:
+                return False
+        return True
 
     def _resident(self, seq: int) -> bool:
         entry = self._log.get(seq)
@@ -253,6 +384,15 @@ class Flow:
             return entry is not None
         slot = self._slots[entry.slot]  # type: ignore[index]
         return slot.state is SlotState.PUBLISHED and slot.seq == seq
+
+    def _oldest_replayable(self) -> int:
+        """The smallest seq from which every entry up to the newest is still resident."""
+        oldest = self.next_seq
+        for seq in reversed(self._log):
+            if seq != oldest - 1 or not self._resident(seq):
+                break
+            oldest = seq
+        return oldest
 
     def _reusable(self, slot: _Slot) -> bool:
         return not slot.holders and all(
@@ -264,18 +404,17 @@ class Flow:
         """Forget log entries no consumer can still be sent and no joiner can replay.
 
         The log stays short: entries at or past the slowest cursor are unsent batches, which
-        are resident (at most one per slot), and replayable ones are resident too.
+        are resident (at most one per place), and replayable ones are resident too.
         """
         cursors = [c.cursor for c in self._consumers.values() if c.cursor is not None]
         keep_from = min(cursors, default=self.next_seq)
-        if self._replay_open:
-            keep_from = min(keep_from, self._epoch_start)
-        keep_from = min(keep_from, self.next_seq - 1)  # END stays for late joiners
+        keep_from = min(keep_from, self._oldest_replayable(), self.next_seq - 1)  # END stays
         while self._log:
             seq = next(iter(self._log))
             if seq >= keep_from:
                 break
             del self._log[seq]
+            del self._before[seq]
 
     def check(self) -> None:
         """Assert every invariant of the module docstring; for tests."""
@@ -288,13 +427,16 @@ class Flow:
             for seq, slot in c.held.items():
                 assert self._slots[slot].seq == seq and cid in self._slots[slot].holders
                 assert c.cursor is not None and seq < c.cursor
-            assert len(c.held) <= c.prefetch
+            assert len(c.held) <= c.prefetch <= self.window
             if c.cursor is not None:
                 for seq in range(c.cursor, self.next_seq):
                     assert seq in self._log, (cid, seq)
                     assert self._resident(seq), (cid, seq)
+            if not c.catching_up:
+                assert self._lag(c) <= self._lag_limit(), ("lags too far", cid, c)
         if self._replay_open and not self.ended:
             for seq in range(self._epoch_start, self.next_seq):
                 assert self._resident(seq), ("replay window lost", seq)
         batches = sum(e.kind is EntryKind.BATCH for e in self._log.values())
         assert batches <= len(self._slots), ("log holds non-resident batches", batches)
+        assert set(self._before) == set(self._log)

@@ -17,10 +17,11 @@ from hypothesis.stateful import (
     rule,
 )
 
-from tensorsocket.flow import Deliver, Entry, EntryKind, Flow
+from tensorsocket.flow import Deliver, Entry, EntryKind, Flow, LateJoin, Skipped
 
 BATCH, EPOCH_END, END = EntryKind.BATCH, EntryKind.EPOCH_END, EntryKind.END
 CIDS = st.sampled_from(["a", "b", "c", "d"])
+POLICIES = st.sampled_from(list(LateJoin))
 GARBAGE = -1  # what a slot holds after a reserved write was cancelled half-way
 
 
@@ -30,49 +31,49 @@ def batch_payload(seq: int) -> tuple[str, int]:
 
 @dataclass
 class ConsumerModel:
-    """What the test knows of one consumer: only what the Deliver actions told it."""
+    """What the test knows of one consumer: only what the actions told it."""
 
     prefetch: int
-    received: list[Entry] = field(default_factory=list)
+    policy: LateJoin
+    # Everything it passed, in order: (entry, skipped). Skipped entries were announced by a
+    # Skipped action and never delivered.
+    stream: list[tuple[Entry, bool]] = field(default_factory=list)
     held: dict[int, int] = field(default_factory=dict)  # seq -> slot
     finished: bool = False
-    # Where its first entry must be, decided at join: ``start`` is its seq (the current epoch's
-    # first entry, or END); if None, the consumer waits and starts right after the first
-    # EPOCH_END at or past ``wait_from`` (or at END, if that comes first).
+    catching_up: bool = False
+    # Where its first entry must be, decided at join: ``start`` is its seq; if None, the
+    # consumer waits and starts right after the first EPOCH_END at or past ``wait_from`` (or at
+    # END, if that comes first).
     start: int | None = None
     wait_from: int = 0
 
+    @property
+    def received(self) -> list[Entry]:
+        return [e for e, skipped in self.stream if not skipped]
 
-def check_next(prev: Entry | None, e: Entry, log: dict[int, Entry]) -> None:
-    """``e`` may follow ``prev`` (None: e is the consumer's first entry) in what one consumer
-    receives: contiguous, each once, in order, starting at an epoch's first entry (the whole
-    epoch) or at END, nothing after END."""
-    if prev is None:
-        assert e.seq == 0 or e.kind is END or log[e.seq - 1].kind is EPOCH_END, (
-            "first entry in the middle of an epoch",
-            e,
-        )
-    else:
+
+def check_next(prev: Entry | None, e: Entry) -> None:
+    """``e`` may follow ``prev`` in what one consumer passes: contiguous, each once, in order,
+    nothing after END."""
+    if prev is not None:
         assert prev.kind is not END, ("sent something after END", e)
         assert e.seq == prev.seq + 1, ("gap or repeat", prev, e)
 
 
-def check_received(received: list[Entry], log: dict[int, Entry]) -> None:
-    for i, e in enumerate(received):
-        check_next(received[i - 1] if i else None, e, log)
-
-
 class FlowMachine(RuleBasedStateMachine):
-    """Drives a Flow with random events while a model tracks slot contents and deliveries."""
+    """Drives a Flow with random events while a model tracks place contents and deliveries."""
 
     def __init__(self) -> None:
         super().__init__()
         self.flow: Flow | None = None
 
-    @initialize(k=st.integers(1, 4))
-    def setup(self, k: int) -> None:
-        self.k = k
-        self.flow = Flow(slots=k)
+    @initialize(window=st.integers(1, 4), extra=st.integers(0, 3), skip=st.booleans(), lag=st.integers(1, 3))
+    def setup(self, window: int, extra: int, skip: bool, lag: int) -> None:
+        self.window = window
+        self.k = window + extra
+        # policy skip needs 1 <= max_lag < window
+        self.max_lag = 1 + (lag - 1) % (window - 1) if skip and window > 1 else None
+        self.flow = Flow(window=window, places=self.k, max_lag=self.max_lag)
         self.memory: dict[int, int] = {}  # slot -> seq last written into it
         self.log: dict[int, Entry] = {}  # the whole stream as published, never trimmed
         self.next_seq = 0
@@ -80,6 +81,7 @@ class FlowMachine(RuleBasedStateMachine):
         self.epoch_start = 0
         self.ended = False
         self.consumers: dict[Hashable, ConsumerModel] = {}
+        event(f"policy {'stall' if self.max_lag is None else 'skip'}, {extra} replay places")
 
     # ------------------------------------------------------------------ helpers
 
@@ -89,15 +91,22 @@ class FlowMachine(RuleBasedStateMachine):
         self.next_seq += 1
         return entry
 
+    def _resident(self, seq: int) -> bool:
+        e = self.log[seq]
+        return e.kind is not BATCH or self.memory.get(e.slot) == e.seq  # type: ignore[arg-type]
+
     def _replayable(self) -> bool:
         """Every batch of the current epoch is still in its slot."""
-        return all(
-            e.kind is not BATCH or self.memory.get(e.slot) == e.seq  # type: ignore[arg-type]
-            for e in (self.log[s] for s in range(self.epoch_start, self.next_seq))
-        )
+        return all(self._resident(s) for s in range(self.epoch_start, self.next_seq))
+
+    def _oldest_resident_run(self) -> int:
+        seq = self.next_seq
+        while seq > 0 and self._resident(seq - 1):
+            seq -= 1
+        return seq
 
     def _expected_first(self, m: ConsumerModel) -> int | None:
-        """The seq of the first entry ``m`` must receive, if already published; else None."""
+        """The seq of the first entry ``m`` must pass, if already published; else None."""
         if m.start is not None:
             return m.start if m.start < self.next_seq else None
         for seq in range(m.wait_from, self.next_seq):
@@ -107,21 +116,74 @@ class FlowMachine(RuleBasedStateMachine):
                 return seq
         return None
 
-    def _handle(self, out: list[Deliver], only: Hashable | None = None) -> None:
+    def _position(self, m: ConsumerModel) -> int | None:
+        """The next seq ``m`` is owed, or None while it waits for a boundary."""
+        if m.stream:
+            return m.stream[-1][0].seq + 1
+        if m.start is not None:
+            return m.start
+        first = self._expected_first(m)
+        if first is not None:
+            return first
+        boundary = [s for s in range(m.wait_from, self.next_seq) if self.log[s].kind is not BATCH]
+        return boundary[0] + 1 if boundary else None
+
+    def _lag(self, m: ConsumerModel) -> int:
+        pos = self._position(m)
+        if pos is None:
+            return 0
+        return sum(self.log[s].kind is BATCH for s in range(pos, self.next_seq))
+
+    def _limit(self) -> int:
+        return self.window if self.max_lag is None else self.max_lag
+
+    def _update_catching_up(self) -> None:
+        for m in self.consumers.values():
+            if m.catching_up and self._lag(m) <= self._limit():
+                m.catching_up = False
+
+    def _window_blocked_by(self) -> list[Hashable]:
+        blocked = []
+        for cid, m in self.consumers.items():
+            if m.finished or self._position(m) is None:
+                continue
+            limit = self.max_lag if m.catching_up and self.max_lag is not None else self.window
+            if self._lag(m) >= limit:
+                blocked.append(cid)
+        return blocked
+
+    def _handle(self, out: list, only: Hashable | None = None) -> None:
         for d in out:
-            assert isinstance(d, Deliver)
             if only is not None:
-                assert d.consumer == only, ("delivery to a consumer not involved", d)
+                assert d.consumer == only, ("action for a consumer not involved", d)
             m = self.consumers[d.consumer]
+            assert not m.finished, ("action after END", d)
+            prev = m.stream[-1][0] if m.stream else None
+            if isinstance(d, Skipped):
+                assert self.max_lag is not None, ("skipped under stall", d)
+                assert not m.catching_up, ("skipped a consumer still catching up", d)
+                assert d.count >= 1
+                event("skip")
+                for _ in range(d.count):
+                    seq = prev.seq + 1 if prev is not None else self._expected_first(m)
+                    assert seq is not None and seq < self.next_seq, ("skipped past the head", d)
+                    e = self.log[seq]
+                    assert e.kind is BATCH, ("skipped a marker", d, e)
+                    if prev is None:
+                        assert seq == self._expected_first(m), ("joiner started at the wrong entry", m)
+                    check_next(prev, e)
+                    m.stream.append((e, True))
+                    prev = e
+                continue
+            assert isinstance(d, Deliver)
             e = d.entry
-            assert not m.finished, ("delivery after END", d)
             assert self.log.get(e.seq) == e, ("entry differs from what was published", e)
-            check_next(m.received[-1] if m.received else None, e, self.log)
-            if not m.received:
+            check_next(prev, e)
+            if prev is None:
                 assert e.seq == self._expected_first(m), ("joiner started at the wrong entry", m, e)
                 if m.start is None:
                     event("a waiting joiner started after the boundary")
-            m.received.append(e)
+            m.stream.append((e, False))
             if e.kind is BATCH:
                 assert e.slot is not None
                 assert self.memory.get(e.slot) == e.seq, ("sent an overwritten batch", e)
@@ -129,6 +191,7 @@ class FlowMachine(RuleBasedStateMachine):
                 assert len(m.held) <= m.prefetch, ("prefetch exceeded", d.consumer, m)
             elif e.kind is END:
                 m.finished = True
+        self._update_catching_up()
 
     def _free(self, slot: int) -> bool:
         """Never written, or its write was cancelled."""
@@ -136,17 +199,19 @@ class FlowMachine(RuleBasedStateMachine):
 
     def _needed(self, slot: int) -> bool:
         """Some consumer holds the slot's batch or has not been sent it yet (docstring rule)."""
-        assert self.flow is not None
         seq = self.memory[slot]
-        cursors = [self.flow.consumers[cid].cursor for cid in self.consumers]
-        return any(seq in m.held for m in self.consumers.values()) or any(
-            c is not None and c <= seq for c in cursors
-        )
+        for m in self.consumers.values():
+            pos = self._position(m)
+            if seq in m.held or (pos is not None and pos <= seq):
+                return True
+        return False
 
     def _check_reserved(self, slot: int) -> None:
-        """reserve() gave ``slot``, which the producer is about to write: nobody may hold or
-        still need what it contains, and it is a free slot if any, else the oldest batch."""
+        """reserve() gave ``slot``, which the producer is about to write: the window is open,
+        nobody may hold or still need what it contains, and it is a free slot if any, else
+        the oldest batch."""
         assert 0 <= slot < self.k
+        assert not self._window_blocked_by(), ("published past the window", self._window_blocked_by())
         free = [i for i in range(self.k) if self._free(i)]
         if free:
             assert slot in free, ("reserved a used slot while a free one exists", slot, free)
@@ -161,7 +226,10 @@ class FlowMachine(RuleBasedStateMachine):
             event("reserve: overwrites a batch of the current epoch")
 
     def _check_stall_justified(self) -> None:
-        """reserve() said None: every slot is still needed by some consumer."""
+        """reserve() said None: the window is full, or every slot is still needed."""
+        if self._window_blocked_by():
+            event("reserve: window full")
+            return
         for i in range(self.k):
             assert not self._free(i), ("free slot refused", i)
             assert self._needed(i), ("stalled on a slot nobody needs", i, self.memory[i])
@@ -176,28 +244,36 @@ class FlowMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ membership
 
-    @rule(cid=CIDS, prefetch=st.integers(1, 4))
-    def join(self, cid: str, prefetch: int) -> None:
+    @rule(cid=CIDS, prefetch=st.integers(1, 5), policy=POLICIES)
+    def join(self, cid: str, prefetch: int, policy: LateJoin) -> None:
         assert self.flow is not None
         if cid in self.consumers:
             with pytest.raises(ValueError):
-                self.flow.join(cid, prefetch)
+                self.flow.join(cid, prefetch, policy)
             return
-        m = self.consumers[cid] = ConsumerModel(prefetch, wait_from=self.next_seq)
+        m = ConsumerModel(min(prefetch, self.window), policy, wait_from=self.next_seq)
         if self.ended:
             m.start = self.next_seq - 1
             event("join: after END")
-        elif self._replayable():
+        elif self.next_seq == self.epoch_start:
+            m.start = self.next_seq
+        elif policy is LateJoin.REPLAY and self._replayable():
             m.start = self.epoch_start
-            if self.epoch_start < self.next_seq:
-                event("join: replays the resident epoch")
+            event("join: replays the resident epoch")
+        elif policy is LateJoin.NOW:
+            m.start = self._oldest_resident_run()
+            event("join: now")
         else:
-            event("join: waits for the next epoch")
-        out = self.flow.join(cid, prefetch)
+            event(f"join: {policy.value} waits for the next epoch")
+        self.consumers[cid] = m
+        m.catching_up = m.start is not None and self._lag(m) > self._limit()
+        if m.catching_up:
+            event("join: catching up")
+        out = self.flow.join(cid, prefetch, policy)
         if self.ended:
             assert [d.entry for d in out] == [self.log[self.next_seq - 1]], out
         elif m.start is not None and m.start < self.next_seq:
-            assert out and out[0].entry.seq == m.start, ("joiner not sent the epoch at once", out)
+            assert out and out[0].entry.seq == m.start, ("joiner not sent its start at once", out)
         else:
             assert out == [], out
         self._handle(out, only=cid)
@@ -245,6 +321,12 @@ class FlowMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ producer
 
+    @rule(n=st.integers(0, 2))
+    def add_places(self, n: int) -> None:
+        assert self.flow is not None
+        self.flow.add_places(n)
+        self.k += n
+
     @rule(n=st.integers(1, 3))
     def publish(self, n: int) -> None:
         """Up to ``n`` batches in a row, as a producer does until it stalls."""
@@ -264,6 +346,9 @@ class FlowMachine(RuleBasedStateMachine):
             out = self.flow.publish(slot, entry.payload)
             assert self.flow.next_seq == self.next_seq
             self._handle(out)
+            skipped = {d.consumer for d in out if isinstance(d, Skipped)}
+            for cid in skipped:  # moved ahead just enough, no further
+                assert self._lag(self.consumers[cid]) == self.max_lag, (cid, self.consumers[cid])
             self.flow.check()
 
     @rule()
@@ -328,13 +413,19 @@ class FlowMachine(RuleBasedStateMachine):
         if self.flow is None:
             return
         assert set(self.flow.consumers) == set(self.consumers)
+        assert self.flow.slot_count == self.k
         for cid, m in self.consumers.items():
             state = self.flow.consumers[cid]
             assert state.held == m.held, (cid, state, m)
             assert len(m.held) <= m.prefetch
+            assert state.prefetch == m.prefetch
             assert state.finished == m.finished
+            assert state.catching_up == m.catching_up, (cid, state, m)
             assert state.received == sum(e.kind is BATCH for e in m.received)
-            check_received(m.received, self.log)
+            assert state.skipped == sum(skipped for _, skipped in m.stream)
+            assert self.flow.lag(cid) == self._lag(m), (cid, self.flow.lag(cid), self._lag(m))
+            for i, (e, _) in enumerate(m.stream):
+                check_next(m.stream[i - 1][0] if i else None, e)
             for seq, slot in m.held.items():
                 assert self.memory.get(slot) == seq, ("a held batch was overwritten", slot, seq)
         for i in range(self.k):
@@ -348,16 +439,17 @@ class FlowMachine(RuleBasedStateMachine):
         if self.flow is None:
             return
         flow = copy.deepcopy(self.flow)
-        last = {cid: (m.received[-1] if m.received else None) for cid, m in self.consumers.items()}
+        last = {cid: (m.stream[-1][0] if m.stream else None) for cid, m in self.consumers.items()}
         progress = True
         while progress:
             progress = False
             for cid in list(flow.consumers):
                 out = flow.release(cid, list(flow.consumers[cid].held))
                 for d in out:
+                    assert isinstance(d, Deliver), d  # releases never skip anyone
                     e = d.entry
                     assert self.log.get(e.seq) == e
-                    check_next(last[d.consumer], e, self.log)
+                    check_next(last[d.consumer], e)
                     if last[d.consumer] is None:
                         assert e.seq == self._expected_first(self.consumers[d.consumer]), e
                     if e.kind is BATCH:
@@ -402,7 +494,7 @@ def sent(out: list[Deliver], cid: Hashable | None = None) -> list[int]:
 
 
 def test_late_joiner_replays_resident_epoch_and_leaders_wait() -> None:
-    flow = Flow(slots=4)
+    flow = Flow(window=4)
     assert sent(flow.join("a", prefetch=4)) == []
     for seq in (0, 1):
         _, out = publish(flow)
@@ -437,7 +529,7 @@ def test_late_joiner_replays_resident_epoch_and_leaders_wait() -> None:
 
 
 def test_late_joiner_after_overwrite_waits_for_next_epoch() -> None:
-    flow = Flow(slots=2)
+    flow = Flow(window=2)
     flow.join("a", prefetch=1)
     for seq in (0, 1, 2):  # seq 2 overwrites seq 0's slot: epoch 0 is no longer replayable
         _, out = publish(flow)
@@ -456,7 +548,7 @@ def test_late_joiner_after_overwrite_waits_for_next_epoch() -> None:
 
 
 def test_joiner_after_end_stream_gets_only_end() -> None:
-    flow = Flow(slots=2)
+    flow = Flow(window=2)
     flow.join("a", prefetch=2)
     publish(flow)
     flow.release("a", [0])
@@ -481,7 +573,7 @@ def test_joiner_after_end_stream_gets_only_end() -> None:
 
 @pytest.mark.parametrize("behind", [False, True])
 def test_leave_frees_held_slots(behind: bool) -> None:
-    flow = Flow(slots=2)
+    flow = Flow(window=2)
     flow.join("a", prefetch=2)
     flow.join("b", prefetch=1 if behind else 2)
     _, out0 = publish(flow)
@@ -505,19 +597,19 @@ def test_leave_frees_held_slots(behind: bool) -> None:
 @pytest.mark.parametrize("slots", [0, -1, 1.0, "2", None, True])
 def test_bad_slot_count(slots: object) -> None:
     with pytest.raises(ValueError):
-        Flow(slots=slots)  # type: ignore[arg-type]
+        Flow(window=slots)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("prefetch", [0, -3, 1.5, "1", None, False])
 def test_bad_prefetch(prefetch: object) -> None:
-    flow = Flow(slots=1)
+    flow = Flow(window=1)
     with pytest.raises(ValueError):
         flow.join("a", prefetch)  # type: ignore[arg-type]
     assert "a" not in flow.consumers
 
 
 def test_duplicate_join() -> None:
-    flow = Flow(slots=1)
+    flow = Flow(window=1)
     flow.join("a", prefetch=1)
     publish(flow)
     with pytest.raises(ValueError):
@@ -527,7 +619,7 @@ def test_duplicate_join() -> None:
 
 
 def test_publish_and_cancel_need_a_reservation() -> None:
-    flow = Flow(slots=2)
+    flow = Flow(window=2)
     with pytest.raises(RuntimeError):
         flow.publish(0, "x")
     with pytest.raises(RuntimeError):
@@ -538,3 +630,168 @@ def test_publish_and_cancel_need_a_reservation() -> None:
     with pytest.raises(RuntimeError):
         flow.publish(slot, "x")
     flow.check()
+
+
+def test_window_bounds_the_lead_and_extra_places_keep_consumed_batches() -> None:
+    flow = Flow(window=2, places=5)
+    flow.join("a", prefetch=2)
+    for _ in range(4):  # a holds 0 and 1 (its prefetch) and is owed 2 and 3: lag 2
+        publish(flow)
+    assert flow.lag("a") == 2 and flow.reserve() is None
+    assert sent(flow.release("a", [0, 1])) == [2, 3]
+    flow.release("a", [2, 3])
+    for seq in (4,):  # free places first: 0..4 all stay resident
+        slot, out = publish(flow)
+        assert sent(out, "a") == [seq]
+        flow.release("a", [seq])
+    assert flow.resident() == 5
+    flow.join("late", prefetch=1)  # epoch 0 (seqs 0..4) is resident: replayed from 0
+    assert flow.consumers["late"].cursor == 1 and flow.consumers["late"].catching_up
+    assert flow.lag("late") == 4
+    assert flow.reserve() is None  # the leader waits for the joiner (rubber band)
+    for seq in range(0, 3):
+        flow.release("late", [seq])
+    assert flow.lag("late") == 1 and not flow.consumers["late"].catching_up
+    slot = flow.reserve()
+    assert slot is not None
+    flow.check()
+
+
+def test_stall_window_blocks_on_a_consumer_without_credit() -> None:
+    flow = Flow(window=3, places=6)
+    flow.join("fast", prefetch=3)
+    flow.join("slow", prefetch=1)
+    for _ in range(4):  # slow holds 0; its lag reaches 3 after seq 3
+        publish(flow)
+        flow.release("fast", list(flow.consumers["fast"].held))
+    assert flow.lag("slow") == 3 and flow.reserve() is None
+    assert sent(flow.release("slow", [0])) == [1]
+    assert flow.lag("slow") == 2 and flow.reserve() is not None
+
+
+def test_skip_moves_a_straggler_ahead_and_counts_what_it_missed() -> None:
+    flow = Flow(window=4, places=10, max_lag=2)
+    flow.join("fast", prefetch=4)
+    flow.join("slow", prefetch=1)
+    skipped = 0
+    for seq in range(9):
+        if seq == 4:
+            out = flow.end_epoch("e0")  # seq 4: a marker inside the straggler's gap
+            assert sent(out, "fast") == [4]
+            continue
+        _, out = publish(flow)
+        for d in out:
+            if isinstance(d, Skipped):
+                assert d.consumer == "slow"
+                skipped += d.count
+        flow.release("fast", list(flow.consumers["fast"].held))
+        flow.check()
+    slow = flow.consumers["slow"]
+    assert slow.skipped == skipped == 5  # it holds 0 and is owed the last 2 (7, 8)
+    assert flow.lag("slow") == 2 and list(slow.held) == [0]
+    # what slow was sent: batch 0, then the epoch marker it passed (never skipped)
+    flow2 = Flow(window=4, places=10, max_lag=2)
+    flow2.join("fast", prefetch=4)
+    flow2.join("slow", prefetch=1)
+    actions = []
+    for seq in range(9):
+        if seq == 4:
+            actions += flow2.end_epoch("e0")
+            continue
+        actions += publish(flow2)[1]
+        flow2.release("fast", list(flow2.consumers["fast"].held))
+    to_slow = [
+        ("skip", d.count) if isinstance(d, Skipped) else (d.entry.kind, d.entry.seq)
+        for d in actions
+        if d.consumer == "slow"
+    ]
+    assert to_slow == [
+        (BATCH, 0),
+        ("skip", 1),
+        ("skip", 1),
+        ("skip", 1),
+        (EPOCH_END, 4),
+        ("skip", 1),
+        ("skip", 1),
+    ]
+    # releasing lets it continue from where the skips left it, in order
+    assert sent(flow2.release("slow", [0])) == [7]
+
+
+def test_skip_waits_for_a_replaying_joiner_until_it_caught_up() -> None:
+    flow = Flow(window=3, places=8, max_lag=1)
+    flow.join("a", prefetch=3)
+    for _ in range(5):
+        publish(flow)
+        flow.release("a", list(flow.consumers["a"].held))
+    flow.join("b", prefetch=1)
+    assert flow.consumers["b"].cursor == 1 and flow.consumers["b"].catching_up
+    assert flow.reserve() is None  # not skipped: the others wait
+    for seq in range(4):
+        flow.release("b", [seq])
+    assert not flow.consumers["b"].catching_up and flow.lag("b") == 0
+    _, out = publish(flow)
+    assert not any(isinstance(d, Skipped) for d in out)
+    assert flow.consumers["b"].skipped == 0
+
+
+def test_now_starts_at_the_oldest_resident_batch_and_next_epoch_waits() -> None:
+    flow = Flow(window=2, places=3)
+    flow.join("a", prefetch=2)
+    for _ in range(5):  # places hold 2, 3, 4
+        publish(flow)
+        flow.release("a", list(flow.consumers["a"].held))
+    out = flow.join("now", prefetch=2, policy=LateJoin.NOW)
+    assert sent(out) == [2, 3] and flow.consumers["now"].cursor == 4
+    assert flow.join("replay", prefetch=2, policy=LateJoin.REPLAY) == []  # batch 0 is gone
+    assert flow.join("next", prefetch=2, policy=LateJoin.NEXT_EPOCH) == []
+    assert flow.consumers["replay"].cursor is None and flow.consumers["next"].cursor is None
+    flow.release("now", [2, 3])
+    out = flow.end_epoch("e0")
+    assert sorted((d.consumer, d.entry.seq) for d in out) == [("a", 5), ("now", 5)]  # waiters start after it
+    _, out = publish(flow)
+    assert sorted((d.consumer, d.entry.seq) for d in out) == [
+        ("a", 6),
+        ("next", 6),
+        ("now", 6),
+        ("replay", 6),
+    ]
+    flow.check()
+
+
+def test_at_a_boundary_every_policy_starts_with_the_next_epoch() -> None:
+    for policy in LateJoin:
+        flow = Flow(window=2)
+        flow.join("a", prefetch=2)
+        publish(flow)
+        flow.release("a", [0])
+        flow.end_epoch("e0")
+        flow.join("b", prefetch=1, policy=policy)
+        assert flow.consumers["b"].cursor == 2, policy
+        _, out = publish(flow)
+        assert sent(out, "b") == [2]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"window": 2, "places": 1}, "places"),
+        ({"window": 2, "places": 2.0}, "places"),
+        ({"window": 2, "max_lag": 2}, "max_lag"),
+        ({"window": 2, "max_lag": 0}, "max_lag"),
+        ({"window": 1, "max_lag": 1}, "max_lag"),
+        ({"window": 3, "max_lag": True}, "max_lag"),
+    ],
+)
+def test_bad_flow_arguments(kwargs: dict, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        Flow(**kwargs)
+
+
+def test_bad_policy_and_places() -> None:
+    flow = Flow(window=1)
+    with pytest.raises(ValueError):
+        flow.join("a", 1, "sometime")  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        flow.add_places(-1)
+    assert "a" not in flow.consumers
