@@ -61,8 +61,9 @@ class TensorProducer(Producer):
 class TensorConsumer(Consumer):
     """``TensorConsumer(port=5555, ack_port=5556, heart_ports=..., unpack_fn=..., batch_size=...)``.
 
-    Yields the loader's batches as upstream 0.0.5 does. ``batch_size`` is accepted but not
-    applied: batches arrive in the producer's batch size (a warning says so when it is given).
+    Yields the loader's batches as upstream 0.0.5 does. ``batch_size`` re-cuts them, as
+    upstream's does; unlike upstream it is not applied unless given (upstream's default of 64
+    would silently re-cut every producer batch). ``unpack_fn`` is ignored with a warning.
     """
 
     def __init__(
@@ -74,10 +75,9 @@ class TensorConsumer(Consumer):
         batch_size: int | None = None,
         **kwargs: Any,
     ) -> None:
-        if unpack_fn is not None or batch_size is not None:
+        if unpack_fn is not None:
             warnings.warn(
-                "TensorConsumer: unpack_fn and batch_size are ignored; batches arrive as the "
-                "producer's loader yields them",
+                "TensorConsumer: unpack_fn is ignored; batches arrive as the producer's loader yields them",
                 stacklevel=2,
             )
-        super().__init__(endpoint=_tcp(port), **kwargs)
+        super().__init__(endpoint=_tcp(port), batch_size=batch_size, **kwargs)

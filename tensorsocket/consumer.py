@@ -35,8 +35,10 @@ import zmq
 from . import endpoint as endpoints
 from . import layout, protocol
 from .errors import BatchModified, Evicted, ProducerLost, ProtocolError, TensorSocketError
+from .flow import LateJoin
 from .host import boot_id, pid_alive, pid_namespace, same_host
 from .protocol import Kind
+from .rebatch import Rebatcher, batch_length, batches_per_epoch
 from .transport import ArenaMap
 from .transport.shm import ArenaInfo
 from .wakeup import Wakeup, stop_loop
@@ -45,8 +47,9 @@ log = logging.getLogger("tensorsocket")
 
 _TICK = 0.05
 _UNLIMITED_PREFETCH = 1 << 16
+_STATS_EVERY = 1.0  # seconds between STATS reports to the producer
 # Queue items: (kind, payload). Kinds:
-_BATCH, _EPOCH_END, _END, _ERROR = "batch", "epoch_end", "end", "error"
+_BATCH, _SKIPPED, _EPOCH_END, _END, _ERROR = "batch", "skipped", "epoch_end", "end", "error"
 
 
 class Consumer:
@@ -56,10 +59,15 @@ class Consumer:
     iterate again for the next epoch. Batches are views of shared memory that stay valid as
     long as you hold any tensor of them; they are read-only by contract (use ``copy=True``
     for private copies). ``device`` moves tensors there (a copy unless it is "cpu").
-    ``prefetch`` bounds the batches this consumer holds or has queued (default: as many as
-    the producer has slots). ``timeout`` is how long the producer may stay silent before
-    :class:`ProducerLost` is raised, and how long this consumer may stay silent before the
-    producer evicts it.
+    ``batch_size`` / ``drop_last`` re-cut the producer's batches into batches of this size,
+    as a DataLoader with them would (views where a batch lies inside one producer batch).
+    ``late_join`` says where a consumer joining mid-epoch starts: ``"replay"`` (the current
+    epoch from its first batch if the producer still has it, else the next epoch),
+    ``"next_epoch"``, or ``"now"`` (the oldest batch the producer still has; that first
+    epoch is partial). ``prefetch`` bounds the batches this consumer holds or has queued
+    (default and maximum: the producer's slots). ``timeout`` is how long the producer may
+    stay silent before :class:`ProducerLost` is raised, and how long this consumer may stay
+    silent before the producer evicts it.
     """
 
     def __init__(
@@ -71,6 +79,9 @@ class Consumer:
         copy: bool = False,
         timeout: float = 10.0,
         prefetch: int | None = None,
+        batch_size: int | None = None,
+        drop_last: bool = False,
+        late_join: str = "replay",
         label: str | None = None,
     ) -> None:
         if not isinstance(timeout, (int, float)) or not 0.05 <= timeout <= 86400:
@@ -79,6 +90,19 @@ class Consumer:
             raise ValueError(f"prefetch must be a positive int or None, got {prefetch!r}")
         if not isinstance(copy, bool):
             raise ValueError(f"copy must be True or False, got {copy!r}")
+        try:
+            self.late_join = LateJoin(late_join)
+        except ValueError:
+            choices = ", ".join(repr(p.value) for p in LateJoin)
+            raise ValueError(f"late_join must be one of {choices}, got {late_join!r}") from None
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        # Validates batch_size and drop_last; None: batches as the producer cut them.
+        self._rebatcher = Rebatcher(batch_size, drop_last) if batch_size is not None else None
+        if batch_size is None and drop_last is not False:
+            raise ValueError(
+                "drop_last needs a batch_size: without one the producer's batches arrive as they are"
+            )
         try:
             self.device = torch.device(device)
         except (RuntimeError, TypeError):
@@ -108,6 +132,16 @@ class Consumer:
         self._synced = threading.Event()  # cleared after a freeze until the producer answers
         self._synced.set()
         self._arenas = ArenaMap()
+        self._ready: collections.deque[Any] = collections.deque()  # re-cut batches not yet yielded
+        self._stop_pending = False  # the epoch ended after the batches in _ready
+        self.skipped = 0  # batches the producer moved this consumer past (stragglers="skip")
+        self._skipped_epoch = 0
+        self._first_batch = True
+        # what the I/O thread reports to the producer: batches and samples handed to the
+        # user, seconds spent waiting for data in next() (plain ints/floats: GIL-atomic)
+        self._taken_batches = 0
+        self._taken_samples = 0
+        self._waiting = 0.0
 
         self._ctx = zmq.Context.instance()
         self._socket = self._ctx.socket(zmq.DEALER)
@@ -129,6 +163,7 @@ class Consumer:
             self._closed = True  # nothing for the caller to close: no "not closed" warning
             raise
         self.batches_per_epoch: int | None = welcome["batches"]
+        self.samples_per_epoch: int | None = welcome["samples"]
         self.slots: int = welcome["slots"]
         self._producer_pid = welcome["pid"]
         self._producer_local = same_host(welcome["boot_id"], welcome["pidns"])
@@ -149,10 +184,18 @@ class Consumer:
     # ------------------------------------------------------------------ public API
 
     def __len__(self) -> int:
-        """Batches per epoch, as the producer's loader reports; TypeError if it has no len()."""
-        if self.batches_per_epoch is None:
-            raise TypeError("the producer's loader has no len()")
-        return self.batches_per_epoch
+        """Batches per epoch: the producer loader's len(), or with ``batch_size`` what this
+        consumer's re-cut yields. TypeError if the producer cannot tell."""
+        if self.batch_size is None:
+            if self.batches_per_epoch is None:
+                raise TypeError("the producer's loader has no len()")
+            return self.batches_per_epoch
+        if self.samples_per_epoch is None:
+            raise TypeError(
+                "the producer cannot tell how many samples an epoch has (its loader is not a "
+                "DataLoader with a sized sampler, nor a list), so len() with batch_size is unknown"
+            )
+        return batches_per_epoch(self.samples_per_epoch, self.batch_size, self.drop_last)
 
     def __iter__(self) -> _EpochIterator:
         """The next epoch. If the previous epoch's loop was left early, its remaining batches
@@ -160,6 +203,10 @@ class Consumer:
         self._check_open()
         if self._mid_epoch:
             self._skip_rest_of_epoch()
+        self._ready.clear()
+        self._stop_pending = False
+        if self._rebatcher is not None:
+            self._rebatcher.flush()  # drop a remainder left behind by a loop that broke early
         return _EpochIterator(self)
 
     @property
@@ -197,22 +244,71 @@ class Consumer:
 
     # ------------------------------------------------------------------ iteration
 
+    def _next_for_user(self) -> Any:
+        """The next batch in this consumer's batch size; StopIteration at the epoch's end."""
+        t0 = time.monotonic()
+        try:
+            batch = self._next() if self._rebatcher is None else self._next_rebatched()
+        finally:
+            self._waiting += time.monotonic() - t0
+        self._taken_batches += 1
+        self._taken_samples += batch_length(batch) or 0
+        return batch
+
+    def _next_rebatched(self) -> Any:
+        assert self._rebatcher is not None
+        while not self._ready:
+            if self._stop_pending:
+                self._stop_pending = False
+                raise StopIteration
+            try:
+                self._ready.extend(self._rebatcher.push(self._next()))
+            except StopIteration:
+                tail = self._rebatcher.flush()
+                if tail is None:
+                    raise
+                self._ready.append(tail)
+                self._stop_pending = True
+        return self._ready.popleft()
+
     def _next(self) -> Any:
-        """The next batch of the current epoch, or StopIteration at its end."""
+        """The next producer batch of the current epoch, or StopIteration at its end."""
         if self._ended:
             raise StopIteration
         if self._error is not None:
             raise self._error
         self._check_violation()
         kind, payload = self._take()
+        while kind == _SKIPPED:
+            self._note_skipped(payload)
+            kind, payload = self._take()
         if kind == _BATCH:
             self._catch_up_after_freeze()
             if self._error is not None:  # evicted while this batch waited in the queue
                 raise self._error
             self._mid_epoch = True
-            return payload
+            batch, epoch, index = payload
+            if self._first_batch:
+                self._first_batch = False
+                if index:
+                    log.warning(
+                        "consumer %r joined epoch %d at its batch %d (late_join=%r): this first epoch is partial",
+                        self.label,
+                        epoch,
+                        index,
+                        self.late_join.value,
+                    )
+            return batch
         self._mid_epoch = False
         if kind == _EPOCH_END:
+            if self._skipped_epoch:
+                log.warning(
+                    "consumer %r skipped %d batches of epoch %d: it lagged more than the producer's max_lag",
+                    self.label,
+                    self._skipped_epoch,
+                    payload,
+                )
+                self._skipped_epoch = 0
             raise StopIteration
         if kind == _END:
             self._ended = True
@@ -237,6 +333,16 @@ class Consumer:
                 self._check_open()
                 raise ProducerLost(f"the consumer's I/O thread for {self.endpoint} stopped")
             self._check_hoarding()
+
+    def _note_skipped(self, count: int) -> None:
+        if not self.skipped:
+            log.warning(
+                "consumer %r is too slow for the producer (stragglers='skip'): it skips batches from "
+                "now on; Consumer.skipped counts them",
+                self.label,
+            )
+        self.skipped += count
+        self._skipped_epoch += count
 
     def _catch_up_after_freeze(self) -> None:
         """After this process was frozen (SIGSTOP, a debugger) for longer than the producer
@@ -304,6 +410,9 @@ class Consumer:
                 label=self.label,
                 prefetch=self._prefetch,
                 timeout=self.timeout,
+                late_join=self.late_join.value,
+                batch_size=self.batch_size,
+                device=str(self.device),
             )
         )
         if not self._socket.poll(int(self.timeout * 1000)):
@@ -350,6 +459,15 @@ class Consumer:
             state.last_sent = now
         if self._stream_over:
             return True
+        if now - state.last_stats >= _STATS_EVERY:
+            stats = (self._taken_batches, self._taken_samples, round(self._waiting, 6))
+            if stats != state.stats:
+                batches, samples, waiting = state.stats = stats
+                self._send(
+                    protocol.encode(Kind.STATS, taken_batches=batches, taken_samples=samples, waiting=waiting)
+                )
+                state.last_sent = now
+            state.last_stats = now
         if now - state.last_sent >= self._heartbeat:
             self._send(protocol.encode(Kind.HEARTBEAT))
             state.last_sent = now
@@ -380,7 +498,9 @@ class Consumer:
             try:
                 kind, msg = protocol.decode(frame, protocol.MAX_REPLY_BYTES)
                 if kind is Kind.BATCH:
-                    self._queue.put((_BATCH, self._build(msg)))
+                    self._queue.put((_BATCH, (self._build(msg), msg["epoch"], msg["index"])))
+                elif kind is Kind.SKIPPED:
+                    self._queue.put((_SKIPPED, msg["count"]))
                 elif kind is Kind.ARENA:
                     self._arenas.announce(ArenaInfo(*msg["arena"]))
                 elif kind is Kind.EPOCH_END:
@@ -471,6 +591,8 @@ class _IoState:
     last_seen: float  # last message from the producer
     last_sent: float  # last message to it
     last_awake: float  # when poll last returned: a long gap means this process was frozen
+    last_stats: float = 0.0
+    stats: tuple[int, int, float] = (0, 0, 0.0)  # last reported
 
 
 def _send_quietly(sock: zmq.Socket, frame: bytes) -> None:
@@ -546,7 +668,7 @@ class _EpochIterator:
         if self._done:
             raise StopIteration
         try:
-            return self._consumer._next()
+            return self._consumer._next_for_user()
         except StopIteration:
             self._done = True
             raise

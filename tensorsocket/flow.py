@@ -339,24 +339,18 @@ class Flow:
 
     def _skip(self, cid: Hashable, state: ConsumerState) -> list[Action]:
         """Move a straggler's cursor past its oldest unsent batches until its lag is
-        ``max_lag``, delivering the epoch markers it passes."""
+        ``max_lag``; the epoch markers after a skipped batch are still sent."""
         out: list[Action] = []
-        count = 0
         while self._lag(state) > self.max_lag:  # type: ignore[operator]
-            entry = self._log[state.cursor]  # type: ignore[index]
-            if entry.kind is EntryKind.BATCH:
-                count += 1
-            else:  # a marker: say what was skipped before it, then send it
-                if count:
-                    out.append(Skipped(cid, count))
-                    state.skipped += count
-                    count = 0
-                out.append(Deliver(cid, entry))
+            # _deliver stopped on a batch (markers need no credit): that one is skipped.
+            assert self._log[state.cursor].kind is EntryKind.BATCH  # type: ignore[index]
             state.cursor += 1  # type: ignore[operator]
-        if count:
-            out.append(Skipped(cid, count))
-            state.skipped += count
-        out.extend(self._deliver(cid, state))
+            state.skipped += 1
+            if out and isinstance(out[-1], Skipped):
+                out[-1] = Skipped(cid, out[-1].count + 1)
+            else:
+                out.append(Skipped(cid, 1))
+            out.extend(self._deliver(cid, state))
         return out
 
     def _lag(self, state: ConsumerState) -> int:

@@ -15,12 +15,13 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import shutil
 import threading
 import time
 import warnings
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -28,9 +29,10 @@ import zmq
 from . import endpoint as endpoints
 from . import layout, protocol
 from .errors import ProtocolError, TensorSocketError
-from .flow import Deliver, Flow
+from .flow import Action, Deliver, Flow, LateJoin, Skipped
 from .host import boot_id, pid_alive, pid_namespace, same_host
 from .protocol import Kind
+from .rebatch import batch_length
 from .transport import SlotPool, sweep_stale
 from .wakeup import Wakeup, stop_loop
 
@@ -43,6 +45,19 @@ class _Closed(TensorSocketError):
 
 _TICK = 0.05  # seconds between liveness checks in the I/O loop
 _MAX_HEARTBEAT = 1.0
+_RATE_WINDOW = 5.0  # seconds of STATS reports a consumer's rate is computed over
+_MAX_REPLAY_BATCHES = 4096  # more places than this would make every reserve() slow
+STRAGGLERS = ("stall", "skip")
+
+
+def default_replay_bytes() -> int:
+    """The replay budget when none is given: 1 GiB, or a quarter of the free shared memory
+    if that is less (containers often have a small /dev/shm)."""
+    try:
+        free = shutil.disk_usage("/dev/shm").free
+    except OSError:
+        free = 0
+    return min(1 << 30, free // 4)
 
 
 @dataclass
@@ -55,7 +70,13 @@ class _Peer:
     local: bool  # same host and pid namespace: its pid can be watched
     joined: float
     last_seen: float
+    device: str = "cpu"
+    batch_size: int | None = None
     last_sent: float = 0.0
+    # (time, batches, samples, waiting) from its STATS reports, the last few seconds of them
+    stats: collections.deque[tuple[float, int, int, float]] = field(
+        default_factory=lambda: collections.deque(maxlen=32)
+    )
 
     def describe(self) -> str:
         return f"consumer {self.label!r} (pid {self.pid})"
@@ -65,10 +86,14 @@ class Producer:
     """Share every batch of ``loader`` with the consumers that connect to ``name``.
 
     ``loader`` is any re-iterable of batches (a DataLoader, a list) or a function returning
-    an iterable (a generator function), called once per epoch. ``slots`` batches at most live in shared memory
-    at once, so the producer runs at most ``slots`` batches ahead of the slowest consumer.
-    Nothing is pulled from the loader until ``min_consumers`` consumers have joined, nor
-    while no consumer is connected. See the README for the whole contract.
+    an iterable (a generator function), called once per epoch. The producer runs at most
+    ``slots`` batches ahead of the slowest consumer (``stragglers="stall"``, exact), or moves
+    a consumer lagging more than ``max_lag`` batches ahead and tells it what it skipped
+    (``"skip"``). Beyond those slots it keeps up to ``replay`` bytes of already-consumed
+    batches in shared memory, so late joiners can be sent the current epoch from its start.
+    Nothing is pulled from the loader until ``min_consumers`` consumers have joined (or,
+    with ``grace``, that many seconds after the first one joined), nor while no consumer is
+    connected. See the README for the whole contract.
     """
 
     def __init__(
@@ -79,7 +104,11 @@ class Producer:
         endpoint: str | None = None,
         device: str = "cpu",
         slots: int = 8,
+        replay: int | None = None,
         min_consumers: int = 1,
+        grace: float | None = None,
+        stragglers: str = "stall",
+        max_lag: int | None = None,
         linger: float = 10.0,
     ) -> None:
         if isinstance(loader, Iterator):
@@ -97,6 +126,20 @@ class Producer:
             raise ValueError(f"slots must be a positive int, got {slots!r}")
         if type(min_consumers) is not int or min_consumers < 1:
             raise ValueError(f"min_consumers must be an int >= 1, got {min_consumers!r}")
+        if replay is not None and (type(replay) is not int or replay < 0):
+            raise ValueError(
+                f"replay must be a number of bytes >= 0 (or None for the default), got {replay!r}"
+            )
+        if grace is not None and (
+            not isinstance(grace, (int, float)) or isinstance(grace, bool) or grace < 0
+        ):
+            raise ValueError(f"grace must be a number of seconds >= 0 or None, got {grace!r}")
+        if stragglers not in STRAGGLERS:
+            raise ValueError(f"stragglers must be one of {STRAGGLERS}, got {stragglers!r}")
+        if stragglers == "stall" and max_lag is not None:
+            raise ValueError("max_lag applies to stragglers='skip' only")
+        if stragglers == "skip" and max_lag is None:
+            max_lag = max(1, slots // 2) if type(slots) is int and slots > 1 else 1
         if not isinstance(linger, (int, float)) or linger < 0:
             raise ValueError(f"linger must be a number of seconds >= 0, got {linger!r}")
         if device != "cpu":
@@ -107,17 +150,25 @@ class Producer:
         self.loader = loader
         self.endpoint = endpoints.resolve(name, endpoint)
         self.slots = slots
+        self.replay = default_replay_bytes() if replay is None else replay
         self.min_consumers = min_consumers
+        self.grace = grace
+        self.stragglers = stragglers
+        self.max_lag = max_lag
         self.linger = float(linger)
         try:
             self.batches_per_epoch: int | None = len(loader)  # type: ignore[arg-type]
         except TypeError:
             self.batches_per_epoch = None
+        self.samples_per_epoch = _samples_per_epoch(loader)
+        # Flow checks max_lag against slots; a skipped straggler may hold a window's worth.
+        flow = Flow(window=slots, places=slots * (2 if stragglers == "skip" else 1), max_lag=max_lag)
 
         self._lock_file = endpoints.lock(self.endpoint)
         sweep_stale()
         self._pool = SlotPool(slots)
-        self._flow = Flow(slots)
+        self._flow = flow
+        self._replay_places = 0  # sized at the first batch, from its bytes
         self._peers: dict[Hashable, _Peer] = {}
         self._outbox: collections.deque[tuple[Hashable, bytes]] = collections.deque()
         self._changed = threading.Condition()  # guards flow, peers, pool, outbox
@@ -126,10 +177,12 @@ class Producer:
         self._closed = False
         self._closing = False  # close() has begun: waits in the caller's thread end quietly
         self._started = False  # the first batch was pulled
+        self._first_join: float | None = None
         self._epoch_open = False
         self._index = 0
         self._loader_iter: Iterator[Any] | None = None
         self._stats = {"published": 0, "loader_wait": 0.0, "publish_time": 0.0, "bad_messages": 0}
+        self._born = time.monotonic()
 
         self._ctx = zmq.Context.instance()
         self._socket = self._ctx.socket(zmq.ROUTER)
@@ -262,8 +315,10 @@ class Producer:
 
     def _next_batch(self) -> Any:
         self._check_open()
-        need = self.min_consumers if not self._started else 1
-        self._wait(lambda: len(self._peers) >= need, None, f"{need} consumer(s) to join")
+        if self._started:
+            self._wait(lambda: len(self._peers) >= 1, None, "a consumer to join")
+        else:
+            self._wait(self._may_start, None, f"{self.min_consumers} consumer(s) to join")
         t0 = time.perf_counter()
         assert self._loader_iter is not None
         try:
@@ -271,9 +326,11 @@ class Producer:
         except StopIteration:
             self._end_epoch()
             raise
-        self._started = True
         t1 = time.perf_counter()
         plan = layout.plan(batch)
+        if not self._started:
+            self._size_replay(plan.nbytes)
+        self._started = True
         slot_box: list[int] = []
 
         def reserved() -> bool:
@@ -327,6 +384,27 @@ class Producer:
         self._wakeup.wake()
         return batch
 
+    def _may_start(self) -> bool:
+        """Before the first batch: enough consumers, or the grace period is over (lock held)."""
+        if len(self._peers) >= self.min_consumers:
+            return True
+        return (
+            self.grace is not None
+            and bool(self._peers)
+            and self._first_join is not None
+            and time.monotonic() - self._first_join >= self.grace
+        )
+
+    def _size_replay(self, nbytes: int) -> None:
+        """Turn the replay budget into places, now that a batch's size is known."""
+        places = min(self.replay // max(nbytes, 1), _MAX_REPLAY_BATCHES)
+        if self.batches_per_epoch is not None:
+            places = min(places, self.batches_per_epoch)  # one whole epoch is all a joiner needs
+        with self._changed:
+            self._flow.add_places(places)
+            self._replay_places = places
+        log.info("replay buffer: %d batches of %d bytes (budget %d bytes)", places, nbytes, self.replay)
+
     def _end_epoch(self) -> None:
         with self._changed:
             if not self._epoch_open:  # already ended (close() raced the caller's thread)
@@ -373,9 +451,14 @@ class Producer:
 
     # ------------------------------------------------------------------ I/O thread
 
-    def _send_all(self, deliveries: list[Deliver]) -> None:
-        """Queue deliveries (caller holds the lock)."""
-        self._outbox.extend((d.consumer, d.entry.payload) for d in deliveries)
+    def _send_all(self, actions: list[Action]) -> None:
+        """Queue what the flow decided (caller holds the lock)."""
+        for action in actions:
+            if isinstance(action, Deliver):
+                self._outbox.append((action.consumer, action.entry.payload))
+            else:
+                assert isinstance(action, Skipped)
+                self._outbox.append((action.consumer, protocol.encode(Kind.SKIPPED, count=action.count)))
 
     def _io_loop(self) -> None:
         poller = zmq.Poller()
@@ -459,6 +542,8 @@ class Producer:
             self._send_all(self._flow.release(cid, msg["seqs"]))
         elif kind is Kind.BYE:
             self._drop(cid, "left")
+        elif kind is Kind.STATS:
+            peer.stats.append((now, msg["taken_batches"], msg["taken_samples"], float(msg["waiting"])))
         elif kind is Kind.MODIFIED:
             log.error(
                 "%s reports batch %d (epoch %d, index %d) changed in shared memory while it held it: "
@@ -485,21 +570,32 @@ class Producer:
             raise ProtocolError(
                 "consumer runs on another host; host shared memory needs consumers on the producer's machine"
             )
-        peer = _Peer(msg["label"], msg["pid"], float(msg["timeout"]), local, now, now)
+        peer = _Peer(
+            msg["label"], msg["pid"], float(msg["timeout"]), local, now, now, msg["device"], msg["batch_size"]
+        )
         self._peers[cid] = peer
+        if self._first_join is None:
+            self._first_join = now
         welcome = protocol.encode(
             Kind.WELCOME,
             pid=os.getpid(),
             boot_id=boot_id(),
             pidns=pid_namespace(),
             batches=self.batches_per_epoch,
+            samples=self.samples_per_epoch,
             slots=self.slots,
             arenas=[info.encode() for info in self._pool.arenas()],
             heartbeat=self._heartbeat_interval(peer),
         )
         self._outbox.append((cid, welcome))
-        self._send_all(self._flow.join(cid, min(msg["prefetch"], 1 << 16)))
-        log.info("%s joined (%d connected)", peer.describe(), len(self._peers))
+        self._send_all(self._flow.join(cid, msg["prefetch"], LateJoin(msg["late_join"])))
+        state = self._flow.consumers[cid]
+        where = (
+            "waits for the next epoch"
+            if state.cursor is None
+            else f"starts {self._flow.lag(cid)} batches behind"
+        )
+        log.info("%s joined (%d connected); it %s", peer.describe(), len(self._peers), where)
 
     def _drop(self, cid: Hashable, why: str) -> None:
         peer = self._peers.pop(cid, None)
@@ -533,23 +629,87 @@ class Producer:
                 {
                     "label": peer.label,
                     "pid": peer.pid,
+                    "device": peer.device,
+                    "batch_size": peer.batch_size,
+                    "late_join": state.policy.value,
                     "joined_s_ago": round(now - peer.joined, 3),
                     "cursor": state.cursor,
+                    "lag": self._flow.lag(cid),
+                    "catching_up": state.catching_up,
                     "held": len(state.held),
                     "received": state.received,
+                    "skipped": state.skipped,
+                    **_rates(peer.stats, now),
                 }
             )
+        elapsed = max(now - self._born, 1e-9)
         return {
             "endpoint": self.endpoint,
             "pid": os.getpid(),
+            "uptime_s": round(elapsed, 3),
             "slots": self.slots,
+            "places": self._flow.slot_count,
+            "replay_places": self._replay_places,
+            "replay_budget_bytes": self.replay,
+            "resident_batches": self._flow.resident(),
             "slot_bytes": self._pool.bytes,
+            "stragglers": self.stragglers,
+            "max_lag": self.max_lag,
             "epoch": self._flow.epoch,
             "next_seq": self._flow.next_seq,
             "ended": self._flow.ended,
+            "batches_per_epoch": self.batches_per_epoch,
+            "samples_per_epoch": self.samples_per_epoch,
             "consumers": consumers,
             **{k: round(v, 6) if isinstance(v, float) else v for k, v in self._stats.items()},
         }
+
+
+def _rates(stats: collections.deque[tuple[float, int, int, float]], now: float) -> dict[str, Any]:
+    """A consumer's totals and, over its last few seconds of reports, samples/s, batches/s
+    and the share of time it waited for data."""
+    if not stats:
+        return {
+            "batches": 0,
+            "samples": 0,
+            "waiting_s": 0.0,
+            "samples_per_s": None,
+            "batches_per_s": None,
+            "waiting_share": None,
+        }
+    t1, b1, s1, w1 = stats[-1]
+    recent = [r for r in stats if now - r[0] <= _RATE_WINDOW] or [stats[-1]]
+    t0, b0, s0, w0 = recent[0]
+    span = t1 - t0
+    rate = span > 0.2
+    return {
+        "batches": b1,
+        "samples": s1,
+        "waiting_s": round(w1, 3),
+        "samples_per_s": round((s1 - s0) / span, 2) if rate else None,
+        "batches_per_s": round((b1 - b0) / span, 3) if rate else None,
+        "waiting_share": round(min(1.0, (w1 - w0) / span), 3) if rate else None,
+    }
+
+
+def _samples_per_epoch(loader: Any) -> int | None:
+    """Samples one epoch of ``loader`` yields, when it can tell without being iterated: a
+    DataLoader (its sampler's length, less what drop_last drops) or a list of batches. A
+    consumer with its own batch_size needs this for len()."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    if batch_sampler is not None:
+        try:
+            n = len(batch_sampler.sampler)
+        except (TypeError, AttributeError):
+            return None
+        size = getattr(batch_sampler, "batch_size", None)
+        if getattr(batch_sampler, "drop_last", False) and isinstance(size, int) and size > 0:
+            return n // size * size
+        return n
+    if isinstance(loader, (list, tuple)):
+        lengths = [batch_length(b) for b in loader]
+        return None if any(n is None for n in lengths) else sum(lengths)  # type: ignore[misc]
+    return None
 
 
 def _stop_at_exit(stop: threading.Event, wakeup: Wakeup, thread: threading.Thread, pool: SlotPool) -> None:

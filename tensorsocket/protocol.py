@@ -24,12 +24,15 @@ MAX_REPLY_BYTES = 16 * 1024 * 1024
 #: Most seqs one RELEASE may carry; a consumer sends more in several messages.
 MAX_RELEASE_SEQS = 4096
 _MAX_INT = 2**63 - 1
+#: A consumer's late-join policies (tensorsocket.flow.LateJoin values).
+LATE_JOIN = ("replay", "next_epoch", "now")
 
 
 class Kind(str, Enum):
-    """Message kinds. Consumer to producer: HELLO, RELEASE, HEARTBEAT, BYE, MODIFIED, STATUS.
-    Producer to consumer: WELCOME, ARENA, BATCH, EPOCH_END, END, HEARTBEAT, EVICTED, ERROR,
-    STATUS. END carries a reason when the producer stopped on an error."""
+    """Message kinds. Consumer to producer: HELLO, RELEASE, HEARTBEAT, STATS, BYE, MODIFIED,
+    STATUS. Producer to consumer: WELCOME, ARENA, BATCH, SKIPPED, EPOCH_END, END, HEARTBEAT,
+    EVICTED, ERROR, STATUS. END carries a reason when the producer stopped on an error;
+    SKIPPED says how many batches a straggler was moved past, where the gap is."""
 
     HELLO = "hello"
     WELCOME = "welcome"
@@ -37,8 +40,10 @@ class Kind(str, Enum):
     BATCH = "batch"
     EPOCH_END = "epoch_end"
     END = "end"
+    SKIPPED = "skipped"
     RELEASE = "release"
     HEARTBEAT = "heartbeat"
+    STATS = "stats"
     BYE = "bye"
     MODIFIED = "modified"
     STATUS = "status"
@@ -92,12 +97,16 @@ SCHEMA: dict[Kind, dict[str, Callable[[Any], bool]]] = {
         "label": _str(128),
         "prefetch": _int(1, 1 << 16),
         "timeout": _num(0.05, 86400.0),
+        "late_join": lambda v: v in LATE_JOIN,
+        "batch_size": _opt(_int(1, 1 << 31)),
+        "device": _str(64),
     },
     Kind.WELCOME: {
         "pid": _int(1, (1 << 31) - 1),
         "boot_id": _str(64),
         "pidns": _int(),
         "batches": _opt(_int()),
+        "samples": _opt(_int()),
         "slots": _int(1, 1 << 16),
         "arenas": lambda v: type(v) is list and len(v) <= 1 << 16 and all(map(_arena, v)),
         "heartbeat": _num(0.001, 3600.0),
@@ -111,10 +120,12 @@ SCHEMA: dict[Kind, dict[str, Callable[[Any], bool]]] = {
         "layout": _any,
         "fingerprint": _opt(_int(0, 2**64 - 1)),
     },
+    Kind.SKIPPED: {"count": _int(1)},
     Kind.EPOCH_END: {"seq": _int(), "epoch": _int()},
     Kind.END: {"seq": _int(), "reason": _opt(_str(4096))},
     Kind.RELEASE: {"seqs": _ints(MAX_RELEASE_SEQS)},
     Kind.HEARTBEAT: {},
+    Kind.STATS: {"taken_batches": _int(), "taken_samples": _int(), "waiting": _num(0.0, 1e12)},
     Kind.BYE: {},
     Kind.MODIFIED: {"seq": _int(), "epoch": _int(), "index": _int()},
     Kind.STATUS: {"status": _opt(lambda v: type(v) is dict)},

@@ -196,7 +196,7 @@ def serve_producer(
     epochs (None: forever); put this process's pid on ``ready`` once it is bound."""
     from tensorsocket import Producer
 
-    producer = Producer(NestedLoader(batches, delay=delay), name=name, slots=slots)
+    producer = Producer(NestedLoader(batches, delay=delay), name=name, slots=slots, replay=0)
     ready.put(os.getpid())
     producer.serve(epochs=epochs)
 

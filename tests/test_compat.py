@@ -8,6 +8,7 @@ import warnings
 from typing import Any
 
 import pytest
+import torch
 
 from tensorsocket import Producer, TensorConsumer, TensorProducer
 from tests.support import NestedLoader, expected_batch, free_port, join_or_fail, same
@@ -72,12 +73,26 @@ def test_upstream_positional_arguments_are_accepted():
         producer.close()
 
 
-def test_batch_size_is_accepted_with_a_warning():
+def test_batch_size_recuts_as_upstream_does():
     port = free_port()
-    with TensorProducer(NestedLoader(2), port):
-        with pytest.warns(UserWarning, match="batch_size"):
-            consumer = TensorConsumer(port, batch_size=16, timeout=10)
-        consumer.close()
+    loader = [(torch.arange(16).view(8, 2), torch.arange(8)), (torch.arange(6).view(3, 2), torch.arange(3))]
+    producer = TensorProducer(loader, port)
+    errors: list[BaseException] = []
+    thread = threading.Thread(target=upstream_producer_loop, args=(producer, 1, errors), name="producer")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            consumer = TensorConsumer(port, batch_size=3, timeout=10)
+        thread.start()
+        try:
+            assert len(consumer) == 4
+            batches = [batch[1].tolist() for batch in consumer]  # producer batches of 8 and 3 rows
+            assert batches == [[0, 1, 2], [3, 4, 5], [6, 7, 0], [1, 2]] and errors == []
+        finally:
+            consumer.close()
+    finally:
+        producer.close()
+        thread.join(10)
 
 
 @pytest.mark.parametrize("port", ["abc", "", None, 0, -1, 65536, "70000", 1.5j])

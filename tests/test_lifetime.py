@@ -30,7 +30,7 @@ def wait_for(predicate, timeout: float = 10.0) -> bool:
 
 
 def test_slot_is_released_when_the_last_derived_view_dies(name):
-    producer = Producer(NestedLoader(4), name=name, slots=1)
+    producer = Producer(NestedLoader(4), name=name, slots=1, replay=0)
     server = serving(producer)
     try:
         with Consumer(name=name) as consumer:
@@ -56,7 +56,7 @@ def test_slot_is_released_when_the_last_derived_view_dies(name):
 
 
 def test_in_place_write_raises_batch_modified_and_is_logged(name, caplog):
-    producer = Producer(NestedLoader(8), name=name, slots=2)
+    producer = Producer(NestedLoader(8), name=name, slots=2, replay=0)
     server = serving(producer)
     try:
         with Consumer(name=name, label="sloppy-trainer") as consumer:
@@ -74,7 +74,7 @@ def test_in_place_write_raises_batch_modified_and_is_logged(name, caplog):
 
 
 def test_copy_true_gives_private_batches_and_no_error(name):
-    producer = Producer(NestedLoader(5), name=name, slots=2)
+    producer = Producer(NestedLoader(5), name=name, slots=2, replay=0)
     server = serving(producer)
     try:
         with Consumer(name=name, copy=True) as consumer:
@@ -91,7 +91,7 @@ def test_copy_true_gives_private_batches_and_no_error(name):
 
 
 def test_holding_every_slot_and_asking_for_more_raises_instead_of_hanging(name):
-    producer = Producer(NestedLoader(6), name=name, slots=2)
+    producer = Producer(NestedLoader(6), name=name, slots=2, replay=0)
     server = serving(producer)
     try:
         with Consumer(name=name) as consumer:
@@ -107,7 +107,7 @@ def test_holding_every_slot_and_asking_for_more_raises_instead_of_hanging(name):
 
 def test_nothing_is_pulled_before_min_consumers_join(name):
     loader = NestedLoader(3)
-    producer = Producer(loader, name=name, slots=2, min_consumers=2)
+    producer = Producer(loader, name=name, slots=2, replay=0, min_consumers=2)
     server = serving(producer)
     try:
         with Consumer(name=name) as first:
@@ -124,7 +124,7 @@ def test_nothing_is_pulled_before_min_consumers_join(name):
 
 def test_late_joiner_waits_for_the_next_epoch_when_this_one_is_gone(name, caplog):
     caplog.set_level(logging.WARNING)
-    producer = Producer(NestedLoader(6), name=name, slots=2)
+    producer = Producer(NestedLoader(6), name=name, slots=2, replay=0)
     server = serving(producer, epochs=3)
     try:
         with Consumer(name=name) as leader:
@@ -149,7 +149,7 @@ def test_late_joiner_waits_for_the_next_epoch_when_this_one_is_gone(name, caplog
 
 
 def test_a_consumer_may_keep_tensors_after_close_and_producer_exit(name):
-    producer = Producer([torch.arange(1000)], name=name, slots=1)
+    producer = Producer([torch.arange(1000)], name=name, slots=1, replay=0)
     server = serving(producer)
     with Consumer(name=name) as consumer:
         (batch,) = list(consumer)
@@ -159,7 +159,7 @@ def test_a_consumer_may_keep_tensors_after_close_and_producer_exit(name):
 
 
 def test_close_with_a_stalled_consumer_gives_up_after_linger(name, caplog):
-    producer = Producer(NestedLoader(20), name=name, slots=2, linger=0.5)
+    producer = Producer(NestedLoader(20), name=name, slots=2, replay=0, linger=0.5)
     server = serving(producer)
     # Joins and never iterates; with prefetch=1 it cannot even be sent batch 1, so the END
     # that close() appends can never reach it.
@@ -177,7 +177,7 @@ def test_close_with_a_stalled_consumer_gives_up_after_linger(name, caplog):
 def test_a_consumer_dropped_without_close_leaves_instead_of_stalling_everyone(name):
     """A Consumer per epoch, never closed: each is collected when dropped, its thread says
     BYE, and the next one replays the epoch from its first batch."""
-    producer = Producer(NestedLoader(6), name=name, slots=4)
+    producer = Producer(NestedLoader(6), name=name, slots=4, replay=0)
     server = serving(producer, epochs=3)
     epochs: list[list[int]] = []
 

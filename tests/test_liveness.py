@@ -116,7 +116,7 @@ def test_sigkilled_consumer_holding_slots_is_evicted_and_survivors_stay_exact(na
     survivors = [SPAWN.Process(target=run_consumer, args=(name, EPOCHS, batches, results)) for _ in range(2)]
     # It keeps all 3 batches it took alive: with 3 slots nobody can progress until it is evicted.
     victim = SPAWN.Process(target=run_consumer_and_die, args=(name, batches, doomed, kill_after))
-    producer = Producer(NestedLoader(batches), name=name, slots=3, min_consumers=3)
+    producer = Producer(NestedLoader(batches), name=name, slots=3, replay=0, min_consumers=3)
     with reaped(victim, *survivors), serving(producer, EPOCHS) as (server, errors):
         seen_present, max_held, gone_at = False, 0, None
         deadline = time.monotonic() + 60
@@ -225,7 +225,7 @@ def test_consumer_closing_mid_epoch_leaves_at_once(name):
     batches = 6
     results = SPAWN.Queue()
     other = SPAWN.Process(target=run_consumer, args=(name, EPOCHS, batches, results))
-    producer = Producer(NestedLoader(batches), name=name, slots=3, min_consumers=2)
+    producer = Producer(NestedLoader(batches), name=name, slots=3, replay=0, min_consumers=2)
     with reaped(other), serving(producer, EPOCHS) as (server, errors):
         consumer = Consumer(name=name, timeout=10)  # silence alone would take 10 s to notice
         try:
@@ -258,7 +258,7 @@ def test_normal_run_leaks_nothing(name):
     assert shm_segments(pid) == []
     warm_up_zmq()
     threads, fds = set(threading.enumerate()), open_fds()
-    producer = Producer(NestedLoader(batches), name=name, slots=2)
+    producer = Producer(NestedLoader(batches), name=name, slots=2, replay=0)
     with serving(producer, 1) as (server, errors):
         with Consumer(name=name, timeout=10) as consumer:
             got = [index for index, batch in enumerate(consumer) if same(batch, expected_batch(index, batches))]
@@ -278,7 +278,7 @@ def test_normal_run_leaks_nothing(name):
 
 def test_second_producer_on_a_served_name_is_refused(name):
     batches = 3
-    producer = Producer(NestedLoader(batches), name=name, slots=2)
+    producer = Producer(NestedLoader(batches), name=name, slots=2, replay=0)
     with serving(producer, 1) as (server, errors):
         with pytest.raises(RuntimeError, match="already serving") as refused:
             Producer(NestedLoader(batches), name=name)
@@ -308,7 +308,7 @@ def test_stopped_consumer_is_evicted_after_its_timeout_and_the_other_stays_exact
     results = SPAWN.Queue()
     victim = SPAWN.Process(target=run_consumer, args=(name, EPOCHS, batches, results),
                            kwargs={"hold": 2, "options": {"timeout": timeout}})
-    producer = Producer(NestedLoader(batches), name=name, slots=3, min_consumers=2)
+    producer = Producer(NestedLoader(batches), name=name, slots=3, replay=0, min_consumers=2)
     with reaped(victim), serving(producer, EPOCHS) as (server, errors):
         consumer = Consumer(name=name, timeout=10)
         try:
@@ -355,7 +355,7 @@ def test_evicted_consumer_never_yields_the_batches_it_had_queued(name):
     still in its queue show other data, so it must raise Evicted instead of yielding them.
     White box: a consumer whose heartbeat never fires stands in for a frozen process."""
     batches = 6
-    producer = Producer(NestedLoader(batches), name=name, slots=3, min_consumers=2)
+    producer = Producer(NestedLoader(batches), name=name, slots=3, replay=0, min_consumers=2)
     with serving(producer, 1) as (server, errors):
         silent = Consumer(name=name, timeout=0.5)
         silent._heartbeat = 3600.0  # says nothing, so the producer evicts it after 0.5 s
@@ -376,7 +376,7 @@ def test_consumer_that_gave_up_on_a_slow_welcome_leaves_no_ghost(name, caplog):
     """A producer that answers HELLO after the consumer's handshake timeout must not keep a
     registration nobody uses (it would hold slots until its silence timeout). White box:
     holding the producer's lock stands in for a producer too busy to answer in time."""
-    producer = Producer(NestedLoader(2), name=name, slots=2)
+    producer = Producer(NestedLoader(2), name=name, slots=2, replay=0)
     try:
         with producer._changed:  # the I/O thread cannot handle the HELLO until we let go
             with pytest.raises(ProducerLost, match="no producer answered"):
@@ -397,7 +397,7 @@ def test_consumer_resumed_after_eviction_raises_before_handing_out_a_queued_batc
 
     ready, go, results = SPAWN.Event(), SPAWN.RawValue("b", 0), SPAWN.Queue()
     victim = SPAWN.Process(target=run_frozen_victim, args=(name, ready, go, results))
-    producer = Producer(NestedLoader(50), name=name, slots=4, min_consumers=2)
+    producer = Producer(NestedLoader(50), name=name, slots=4, replay=0, min_consumers=2)
     with reaped(victim), serving(producer, 1) as (server, errors):
         with Consumer(name=name, timeout=10) as leader:
             it = iter(leader)

@@ -46,6 +46,9 @@ def hello(**override: Any) -> dict[str, Any]:
         "label": "raw",
         "prefetch": 1,
         "timeout": 30.0,
+        "late_join": "replay",
+        "batch_size": None,
+        "device": "cpu",
     }
     fields.update(override)
     return fields
@@ -350,6 +353,7 @@ class FakeProducer:
                 boot_id=boot_id(),
                 pidns=pid_namespace(),
                 batches=1,
+                samples=None,
                 slots=1,
                 arenas=self.arenas,
                 heartbeat=0.1,

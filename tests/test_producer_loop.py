@@ -29,7 +29,7 @@ class _SlowSecondBatch:
 
 def test_status_and_joins_are_served_while_the_loader_blocks(name):
     loader = _SlowSecondBatch(hold=3.0)
-    producer = Producer(loader, name=name, slots=2)
+    producer = Producer(loader, name=name, slots=2, replay=0)
     server = threading.Thread(target=producer.serve, kwargs={"epochs": 1}, daemon=True)
     server.start()
     ctx = zmq.Context.instance()
@@ -59,7 +59,7 @@ def test_status_and_joins_are_served_while_the_loader_blocks(name):
 def test_a_hello_with_an_extreme_pid_does_not_stop_the_producer(name):
     from tensorsocket.host import boot_id, pid_namespace
 
-    producer = Producer([torch.zeros(3)], name=name, slots=2)
+    producer = Producer([torch.zeros(3)], name=name, slots=2, replay=0)
     raw = zmq.Context.instance().socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
     try:
@@ -91,7 +91,7 @@ def test_a_batch_too_big_to_describe_fails_clearly_and_consumers_get_the_reason(
     from tensorsocket import ProducerLost
 
     loader = [(torch.zeros(2), b"x" * (protocol.MAX_REPLY_BYTES + 1))]
-    producer = Producer(loader, name=name, slots=2)
+    producer = Producer(loader, name=name, slots=2, replay=0)
     errors: list[BaseException] = []
 
     def body() -> None:
@@ -114,7 +114,7 @@ def test_a_batch_too_big_to_describe_fails_clearly_and_consumers_get_the_reason(
 
 
 def test_close_from_another_thread_ends_a_producer_loop_quietly(name):
-    producer = Producer([torch.zeros(1)] * 100, name=name, slots=2)
+    producer = Producer([torch.zeros(1)] * 100, name=name, slots=2, replay=0)
     with Consumer(name=name, prefetch=2) as consumer:  # joins and never iterates: stalls the loop
         closer = threading.Timer(0.5, producer.close)
         closer.start()
@@ -134,7 +134,7 @@ def test_a_producer_script_that_dies_without_close_leaves_no_segments(name, tmp_
     script.write_text(
         "import sys, torch\n"
         "from tensorsocket import Producer\n"
-        f"p = Producer([torch.zeros(1000)] * 5, name={name!r}, slots=2)\n"
+        f"p = Producer([torch.zeros(1000)] * 5, name={name!r}, slots=2, replay=0)\n"
         "print(p.endpoint, flush=True)\n"
         "for i, batch in enumerate(p):\n"
         "    print('published', flush=True)\n"
@@ -172,7 +172,7 @@ def test_a_consumer_process_exiting_mid_epoch_without_close_exits_cleanly(name, 
         "for batch in Consumer(name=sys.argv[1]):\n"
         "    sys.exit(0)\n"
     )
-    producer = Producer([torch.zeros(1000)] * 1000, name=name, slots=4)
+    producer = Producer([torch.zeros(1000)] * 1000, name=name, slots=4, replay=0)
     server = threading.Thread(target=producer.serve, kwargs={"epochs": None}, daemon=True)
     server.start()
     try:

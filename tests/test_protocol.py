@@ -47,6 +47,14 @@ VALID: dict[str, Any] = {
     "seqs": [1, 2, 3],
     "status": {"consumers": [{"label": "a", "held": 2}], "epoch": 1},
     "reason": "producer stopped",
+    "late_join": "now",
+    "batch_size": 48,
+    "device": "cuda:1",
+    "samples": 50000,
+    "count": 3,
+    "taken_batches": 12,
+    "taken_samples": 384,
+    "waiting": 1.25,
 }
 EDGES: dict[str, list[Any]] = {
     "version": [0, 2**63 - 1],
@@ -70,6 +78,14 @@ EDGES: dict[str, list[Any]] = {
     "seqs": [[], list(range(4096)), [2**63 - 1]],
     "status": [None, {}],
     "reason": ["", "r" * 4096],
+    "late_join": ["replay", "next_epoch", "now"],
+    "batch_size": [None, 1, 1 << 31],
+    "device": ["", "d" * 64],
+    "samples": [None, 0, 2**63 - 1],
+    "count": [1, 2**63 - 1],
+    "taken_batches": [0, 2**63 - 1],
+    "taken_samples": [0, 2**63 - 1],
+    "waiting": [0, 0.0, 1e12],
 }
 # Values no kind may accept for that field: wrong type, bool for int, out of range, too long.
 BAD: dict[str, list[Any]] = {
@@ -111,6 +127,14 @@ BAD: dict[str, list[Any]] = {
     "seqs": [None, [1, -1], [True], [1.5], ["1"], "1", list(range(4097)), [2**63], {"a": 1}],
     "status": [[], "ok", 1, True, [["k", 1]]],
     "reason": ["r" * 4097, 5, b"reason", ["r"], True],
+    "late_join": ["later", "", None, 1, ["now"]],
+    "batch_size": [0, -1, True, 1.5, "8", (1 << 31) + 1],
+    "device": ["d" * 65, 0, None, b"cpu"],
+    "samples": [-1, 1.5, True, "1"],
+    "count": [0, -1, True, None, 1.0],
+    "taken_batches": [-1, None, True, 1.5],
+    "taken_samples": [-1, None, False, "3"],
+    "waiting": [-0.5, None, float("nan"), float("inf"), True, "1"],
 }
 
 

@@ -25,7 +25,9 @@ def test_a_too_large_arena_fails_cleanly_and_leaves_nothing():
 
 
 def test_sweep_removes_segments_of_dead_owners_only():
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
     dead_pid = int(dead.stdout)
     stale = os.path.join(SHM_DIR, f"{PREFIX}{os.getuid()}-{dead_pid}-deadbeef-0-1")
     live = os.path.join(SHM_DIR, f"{PREFIX}{os.getuid()}-{os.getpid()}-cafef00d-0-1")
