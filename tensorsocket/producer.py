@@ -181,7 +181,15 @@ class Producer:
         self._epoch_open = False
         self._index = 0
         self._loader_iter: Iterator[Any] | None = None
-        self._stats = {"published": 0, "loader_wait": 0.0, "publish_time": 0.0, "bad_messages": 0}
+        # loader_wait: in next(loader); slot_wait: for the slowest consumer to free a slot;
+        # publish_time: writing and announcing (slot_wait included)
+        self._stats = {
+            "published": 0,
+            "loader_wait": 0.0,
+            "slot_wait": 0.0,
+            "publish_time": 0.0,
+            "bad_messages": 0,
+        }
         self._born = time.monotonic()
 
         self._ctx = zmq.Context.instance()
@@ -341,7 +349,9 @@ class Producer:
                 slot_box.append(slot)
             return slot is not None
 
+        t_slot = time.perf_counter()
         self._wait(reserved, None, "a free slot")
+        slot_wait = time.perf_counter() - t_slot
         slot = slot_box[0]
         try:
             arena = self._pool.prepare(slot, plan.nbytes)  # slow for big arenas: not under the lock
@@ -381,6 +391,7 @@ class Producer:
             self._stats["published"] += 1
             self._stats["loader_wait"] += t1 - t0
             self._stats["publish_time"] += time.perf_counter() - t1
+            self._stats["slot_wait"] += slot_wait
         self._wakeup.wake()
         return batch
 
