@@ -35,6 +35,9 @@ Design:
   summary is written with the interrupted trials marked ``stopped``, and the exit code is 130
   (143 for SIGTERM).
 
+Modules: this one (arguments, trials, processes, the run); ``cli_sweep_report`` (the live
+progress and the summary); ``cli_sweep_producer`` (the producer child).
+
 Exit codes: 0 every trial succeeded; 1 at least one failed; 2 a usage error (a bad
 ``--grid``, ``--pipeline`` or ``--trainer``), or the producer could not start (the pipeline
 raised, say: the end of ``producer.log`` is printed); 130 interrupted.
@@ -43,7 +46,6 @@ raised, say: the end of ``producer.log`` is printed); 130 interrupted.
 from __future__ import annotations
 
 import argparse
-import csv
 import itertools
 import json
 import os
@@ -59,10 +61,12 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from . import endpoint as endpoints
-from .pipeline import PipelineError, convert, describe, keyvalue
+from .cli_common import positive_int
+from .cli_sweep_report import Display, summary_table, tail, write_summary
+from .pipeline import PipelineError, keyvalue
 from .pipeline import load as load_pipeline
 
 __all__ = ["add_arguments", "main", "parse_result", "run"]
@@ -71,11 +75,9 @@ RESULT_PREFIX = "RESULT "
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*\Z")
 _TICK = 0.1  # seconds between checks of the trial processes
-_REFRESH = 1.0  # seconds between redraws of the live status on a terminal
 _TERM_GRACE = 5.0  # seconds between SIGTERM and SIGKILL for a trainer
 _PRODUCER_GRACE = 3.0  # after the last trial of a wave: time for the producer to finish alone
 _PRODUCER_STOP = 15.0  # after "stop": time for the producer to close before SIGKILL
-_STUCK_EXIT = 30.0  # the producer child kills itself if still running this long after a stop
 
 
 class SweepError(Exception):
@@ -98,16 +100,6 @@ def _grid(text: str) -> tuple[str, list[str]]:
     if len(set(items)) != len(items):
         raise argparse.ArgumentTypeError(f"{text!r}: a value is repeated")
     return key, items
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -152,17 +144,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--parallel",
-        type=_positive,
+        type=positive_int,
         default=None,
         metavar="N",
         help="trials at once (default: all); more trials run in waves of N, each wave with its own "
         "producer run of --epochs epochs",
     )
     parser.add_argument(
-        "--epochs", type=_positive, default=1, help="epochs the producer serves per wave (default 1)"
+        "--epochs", type=positive_int, default=1, help="epochs the producer serves per wave (default 1)"
     )
     parser.add_argument(
-        "--slots", type=_positive, default=8, help="batches the producer holds in shared memory (default 8)"
+        "--slots",
+        type=positive_int,
+        default=8,
+        help="batches the producer holds in shared memory (default 8)",
     )
     parser.add_argument(
         "--logs",
@@ -171,9 +166,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where logs and summaries go (default ./sweep-logs/<time>)",
     )
     parser.add_argument("--name", default=None, help="producer name (default: a unique one)")
-
-
-# ---------------------------------------------------------------------------- pipelines
 
 
 # ---------------------------------------------------------------------------- trials
@@ -251,106 +243,6 @@ def make_trials(args: argparse.Namespace, logs: Path) -> list[Trial]:
     return trials
 
 
-# ---------------------------------------------------------------------------- display
-
-
-_STATE_WORD = {"waiting": "waiting", "running": "running", "done": "done", "failed": "FAILED"}
-
-
-class Display:
-    """Live progress: a redrawn block of lines on a terminal, plain event lines otherwise."""
-
-    def __init__(self, trials: list[Trial], stream: IO[str] | None = None) -> None:
-        self.trials = trials
-        self.stream = stream if stream is not None else sys.stdout
-        self.tty = self.stream.isatty()
-        self.drawn = 0
-        self.last_draw = 0.0
-        self.started = time.monotonic()
-        self.note = ""
-
-    def event(self, message: str) -> None:
-        """A line worth keeping (on a terminal, printed above the live block)."""
-        self._clear()
-        self.stream.write(message + "\n")
-        self.stream.flush()
-        self.refresh(force=True)
-
-    def changed(self, trial: Trial) -> None:
-        if self.tty:
-            self.refresh(force=True)
-            return
-        if trial.status == "running":
-            text = f"{trial.name} running: {trial.params_text()}"
-        else:
-            code = f"exit {trial.exit_code}" if trial.exit_code is not None else "not started"
-            text = f"{trial.name} {trial.status} after {trial.elapsed:.1f} s ({code}): {trial.params_text()}"
-            if trial.status == "failed":
-                text += f"; log: {trial.log}"
-        self.stream.write(f"[{time.monotonic() - self.started:7.1f} s] {text}\n")
-        self.stream.flush()
-
-    def refresh(self, force: bool = False) -> None:
-        if not self.tty:
-            return
-        now = time.monotonic()
-        if not force and now - self.last_draw < _REFRESH:
-            return
-        self.last_draw = now
-        columns, lines = shutil.get_terminal_size((100, 24))
-        counts = {
-            s: sum(t.status == s for t in self.trials) for s in ("running", "done", "failed", "waiting")
-        }
-        header = (
-            f"sweep {now - self.started:6.0f} s: {counts['running']} running, {counts['done']} done, "
-            f"{counts['failed']} failed, {counts['waiting']} waiting{self.note}"
-        )
-        order = {"running": 0, "failed": 1, "done": 2}
-        rows = sorted(self.trials, key=lambda t: order.get(t.status, 3))
-        room = max(1, lines - 3)
-        shown, hidden = rows[:room], len(rows) - room
-        width = max(len(t.name) for t in self.trials)
-        text = [header]
-        for t in sorted(shown, key=self.trials.index):
-            state = _STATE_WORD.get(t.status, t.status)
-            elapsed = f"{t.elapsed:6.0f} s" if t.started is not None else "      -"
-            line = f"  {t.name:<{width}}  {state:<8} {elapsed}  {t.params_text()}"
-            if t.status == "running":
-                line += f"  | {_last_line(t.log)}"
-            text.append(line[: columns - 1])
-        if hidden > 0:
-            text.append(f"  ... {hidden} more")
-        self._clear()
-        self.stream.write("\n".join(text) + "\n")
-        self.stream.flush()
-        self.drawn = len(text)
-
-    def _clear(self) -> None:
-        if self.tty and self.drawn:
-            self.stream.write(f"\x1b[{self.drawn}F\x1b[J")  # up to the block's first line, clear below
-            self.drawn = 0
-
-
-def _last_line(path: Path, limit: int = 400) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - limit))
-            tail = f.read().decode("utf-8", "replace")
-    except OSError:
-        return ""
-    lines = [line.strip() for line in tail.replace("\r", "\n").splitlines() if line.strip()]
-    return lines[-1] if lines else ""
-
-
-def _tail(path: Path, lines: int = 15) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return ""
-    return "\n".join("    " + line for line in text.rstrip().splitlines()[-lines:])
-
-
 # ---------------------------------------------------------------------------- processes
 
 
@@ -401,7 +293,7 @@ class _ProducerProcess:
         code = self.process.poll()
         if code is not None:
             raise SweepError(
-                f"the producer did not start (exit code {code}); the end of {self.log}:\n{_tail(self.log)}"
+                f"the producer did not start (exit code {code}); the end of {self.log}:\n{tail(self.log)}"
             )
         return False
 
@@ -542,71 +434,6 @@ def _run_wave(
         raise
 
 
-# ---------------------------------------------------------------------------- summary
-
-
-def _fmt(value: Any, spec: str) -> str:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return "-" if value is None else str(value)
-    return format(value, spec)
-
-
-def summary_table(trials: list[Trial]) -> str:
-    header = ["trial", "params", "status", "exit", "samples/s", "loss", "time"]
-    rows = [
-        [
-            t.name,
-            t.params_text(),
-            t.status,
-            "-" if t.exit_code is None else str(t.exit_code),
-            _fmt(t.metric("samples_per_s"), ".1f"),
-            _fmt(t.metric("loss"), ".4f"),
-            f"{t.elapsed:.1f}s" if t.started is not None else "-",
-        ]
-        for t in trials
-    ]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    left = {0, 1, 2}
-    return "\n".join(
-        "  ".join(
-            c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
-        )
-        for r in [header, *rows]
-    )
-
-
-def write_summary(trials: list[Trial], logs: Path, meta: dict[str, Any]) -> None:
-    records = [
-        {
-            "trial": t.name,
-            "params": {k: convert(v) for k, v in t.params.items()},
-            "command": t.command,
-            "status": t.status,
-            "exit_code": t.exit_code,
-            "elapsed_s": round(t.elapsed, 3) if t.started is not None else None,
-            "samples_per_s": t.metric("samples_per_s"),
-            "loss": t.metric("loss"),
-            "result": t.result,
-            "log": str(t.log),
-        }
-        for t in trials
-    ]
-    (logs / "summary.json").write_text(json.dumps({**meta, "trials": records}, indent=2) + "\n")
-    keys = list(trials[0].params) if trials else []
-    with open(logs / "summary.csv", "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["trial", *keys, "status", "exit_code", "elapsed_s", "samples_per_s", "loss", "log"])
-        for t, r in zip(trials, records, strict=True):
-            writer.writerow(
-                [t.name, *(t.params[k] for k in keys)]
-                + [
-                    "" if r[k] is None else r[k]
-                    for k in ("status", "exit_code", "elapsed_s", "samples_per_s", "loss")
-                ]
-                + [r["log"]]
-            )
-
-
 # ---------------------------------------------------------------------------- run
 
 
@@ -705,163 +532,13 @@ def run(args: argparse.Namespace) -> int:
     return code
 
 
-# ---------------------------------------------------------------------------- the producer child
-
-
-def _serve(argv: list[str]) -> int:
-    """``python -m tensorsocket.sweep _serve``: the sweep's producer process.
-
-    Binds, writes its endpoint to ``--ready-file``, waits until every one of ``--consumers``
-    trials joined or was reported on stdin as ``exited``, serves ``--epochs`` epochs and
-    exits. ``stop`` on stdin, or stdin closing (the sweep is gone), ends the stream early.
-    """
-    import logging
-
-    from .producer import Producer
-
-    parser = argparse.ArgumentParser(prog="python -m tensorsocket.sweep _serve")
-    parser.add_argument("--pipeline", required=True)
-    parser.add_argument("--pipeline-arg", dest="pipeline_args", action="append", type=keyvalue, default=[])
-    parser.add_argument("--name", required=True)
-    parser.add_argument("--slots", type=_positive, default=8)
-    parser.add_argument("--epochs", type=_positive, default=1)
-    parser.add_argument("--consumers", type=_positive, required=True)
-    parser.add_argument("--ready-file", required=True)
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    log = logging.getLogger("tensorsocket.sweep")
-
-    def on_term(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_term)
-    try:
-        function = load_pipeline(args.pipeline)
-    except (SweepError, PipelineError) as exc:
-        log.error("%s", exc)
-        return EXIT_USAGE
-    try:
-        loader = function(**dict(args.pipeline_args))
-    except Exception as exc:
-        log.error("the pipeline %s raised %s", args.pipeline, describe(exc), exc_info=True)
-        return EXIT_USAGE
-    try:
-        producer = Producer(loader, name=args.name, slots=args.slots, min_consumers=1)
-    except (TypeError, ValueError) as exc:
-        log.error("the pipeline %s returned %s: %s", args.pipeline, type(loader).__name__, exc)
-        return EXIT_USAGE
-    except RuntimeError as exc:  # the name is served already
-        log.error("%s", exc)
-        return EXIT_USAGE
-    return _WaveServer(producer, args.consumers, log).run(args.epochs, Path(args.ready_file))
-
-
-class _WaveServer:
-    """The producer child once bound: its main thread waits for the wave's trials and
-    serves; a second thread reads the sweep's messages on stdin."""
-
-    def __init__(self, producer: Any, consumers: int, log: Any) -> None:
-        self.producer = producer
-        self.consumers = consumers
-        self.log = log
-        self.lock = threading.Lock()  # guards exited, and serving vs stop
-        self.exited = 0  # trials the sweep reported as exited
-        self.serving = False  # serve() was entered: the stdin thread must close() to end it
-        self.stop = threading.Event()  # "stop" or EOF on stdin
-        self.closed = threading.Event()  # the stdin thread is done closing
-        self.finished = threading.Event()  # the main thread is done
-
-    def run(self, epochs: int, ready_file: Path) -> int:
-        threading.Thread(target=self._watch_parent, name="tensorsocket-sweep-stdin", daemon=True).start()
-        self.log.info(
-            "producer pid %d on %s: waiting for %d trial(s)",
-            os.getpid(),
-            self.producer.endpoint,
-            self.consumers,
-        )
-        tmp = ready_file.with_name(ready_file.name + ".tmp")
-        tmp.write_text(self.producer.endpoint)
-        os.replace(tmp, ready_file)
-        try:
-            return self._serve(epochs)
-        finally:
-            self.finished.set()
-
-    def _serve(self, epochs: int) -> int:
-        from .host import pid_alive
-
-        producer = self.producer
-        try:
-            while True:
-                # Joined trials (whose process still lives) plus those that exited: once
-                # that is every trial of the wave, nobody else is coming.
-                joined = sum(pid_alive(c["pid"]) for c in producer.status()["consumers"])
-                with self.lock:
-                    if self.stop.is_set() or self.exited >= self.consumers:
-                        why = "told to stop" if self.stop.is_set() else "every trial exited before joining"
-                        self.log.info("%s; nothing served", why)
-                        producer.close()
-                        return EXIT_OK
-                    if joined + self.exited >= self.consumers:
-                        self.serving = True
-                        break
-                time.sleep(0.05)
-            self.log.info("%d trial(s) joined; serving %d epoch(s)", joined, epochs)
-            producer.serve(epochs=epochs)
-        except KeyboardInterrupt:
-            producer.close()
-            return EXIT_INTERRUPTED
-        except Exception as exc:
-            if not self.stop.is_set():
-                self.log.exception("serving failed")
-                producer.close(reason=f"{type(exc).__name__}: {exc}")
-                return EXIT_FAIL
-        if self.stop.is_set():  # serve() ended because the stdin thread closed the producer
-            self.closed.wait(60.0)  # let that close() finish: it frees the shared memory
-            self.log.info("stopped")
-        else:
-            self.log.info("done")
-        return EXIT_OK
-
-    def _watch_parent(self) -> None:
-        # Raw reads of fd 0, not sys.stdin: a thread blocked in sys.stdin.readline() holds
-        # the buffer's lock, and a DataLoader worker forked meanwhile deadlocks closing its
-        # inherited copy of sys.stdin (multiprocessing does that at start).
-        pending = b""
-        while True:
-            try:
-                chunk = os.read(0, 4096)
-            except OSError:
-                chunk = b""
-            if not chunk:
-                break  # EOF: the sweep is gone
-            *lines, pending = (pending + chunk).split(b"\n")
-            if any(line.strip() == b"stop" for line in lines):
-                break
-            with self.lock:
-                self.exited += sum(line.strip() == b"exited" for line in lines)
-        with self.lock:
-            self.stop.set()
-            close = self.serving
-        if close:  # serve() runs in the main thread: close() from here ends it cleanly
-            self.producer.close()
-        self.closed.set()
-        if not self.finished.wait(_STUCK_EXIT):
-            # The main thread is stuck (in the loader, say), and if the sweep is gone nobody
-            # else will end this process: take it down, with its DataLoader workers.
-            self.log.error("still running %g s after the stop; killing this process", _STUCK_EXIT)
-            if os.getpgid(0) == os.getpid():
-                os.killpg(0, signal.SIGKILL)
-            os._exit(EXIT_FAIL)
-
-
 def main(argv: list[str] | None = None) -> int:
     """``python -m tensorsocket.sweep``: the same as ``tensorsocket sweep``."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["_serve"]:
-        return _serve(argv[1:])
+        from . import cli_sweep_producer
+
+        return cli_sweep_producer.main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="python -m tensorsocket.sweep",
         description="Start one producer and one trainer per grid point, with live progress and a summary.",

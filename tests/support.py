@@ -3,11 +3,14 @@ every batch bit for bit without asking the producer."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -90,14 +93,20 @@ def run_consumer(
     step: float = 0.0,
     hold: int = 0,
     options: dict[str, Any] | None = None,
+    go: Any = None,
 ) -> None:
     """Consumer process body: iterate ``epochs`` epochs, verify every batch, report.
 
     Reports ``{"pid", "seen": [(epoch, index)], "bad": [...], "len", "after_end", "finished"}``
     on ``results``. ``kill_after`` SIGKILLs itself after that many batches; ``hold`` keeps
-    the last N batches alive and re-verifies them at every step; ``step`` sleeps per batch.
+    the last N batches alive and re-verifies them at every step; ``step`` sleeps per batch;
+    ``go`` (an Event) is waited for before joining, so a test can time a late join without
+    waiting for a process to start.
     """
     from tensorsocket import Consumer
+
+    if go is not None:
+        go.wait(60)
 
     report: dict[str, Any] = {"pid": os.getpid(), "seen": [], "bad": [], "error": None}
     consumer = Consumer(name=name, **(options or {}))
@@ -223,3 +232,23 @@ def run_frozen_victim(name: str, ready: Any, go: Any, results: Any) -> None:
         del held
         consumer.close()
         results.put(report)
+
+
+@contextlib.contextmanager
+def serving(producer: Any, epochs: int | None) -> Iterator[tuple[threading.Thread, list[BaseException]]]:
+    """Run ``producer.serve(epochs)`` in a thread; close the producer and join it on the way out."""
+    errors: list[BaseException] = []
+
+    def body() -> None:
+        try:
+            producer.serve(epochs=epochs)
+        except BaseException as exc:  # reported by the test
+            errors.append(exc)
+
+    thread = threading.Thread(target=body, name="test-serve", daemon=True)
+    thread.start()
+    try:
+        yield thread, errors
+    finally:
+        producer.close()
+        thread.join(timeout=30)

@@ -7,17 +7,19 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from tensorsocket import Consumer, endpoint
-from tensorsocket.cli import format_status, gpu_lines, main
+from tensorsocket.cli import format_status, gpu_lines, main, query_status
 from tensorsocket.pipeline import PipelineError
 from tensorsocket.pipeline import convert as _convert
 from tensorsocket.pipeline import load as load_pipeline
@@ -91,39 +93,130 @@ def drain(consumer: Consumer, timeout: float = 20.0) -> None:
             pass
 
 
-def test_serve_status_second_serve_and_sigterm(pipeline: Path) -> None:
+# Runs the CLI with a stand-in for the tensorsocket package object (its __init__ imports
+# the library, torch included), and says on stderr whether torch got imported: the commands
+# that need no torch must not import it, so they start fast once the package is lazy.
+NO_TORCH_RUNNER = textwrap.dedent(
+    """
+    import sys, types
+    pkg = types.ModuleType("tensorsocket")
+    pkg.__path__ = [sys.argv.pop(1)]
+    pkg.__version__ = "0+test"
+    sys.modules["tensorsocket"] = pkg
+    from tensorsocket import cli
+    rc = cli.main(sys.argv[1:])
+    print("TORCH IMPORTED" if "torch" in sys.modules else "no torch", file=sys.stderr)
+    sys.exit(rc)
+    """
+)
+
+
+def start_without_init(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", NO_TORCH_RUNNER, str(ROOT / "tensorsocket"), *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def read_until(proc: subprocess.Popen[str], text: str, count: int, timeout: float = 30.0) -> str:
+    """Read ``proc``'s stdout until ``text`` appeared ``count`` times (or fail)."""
+    fd = proc.stdout.fileno()  # type: ignore[union-attr]
+    seen = ""
+    deadline = time.monotonic() + timeout
+    while seen.count(text) < count:
+        left = deadline - time.monotonic()
+        if left <= 0 or proc.poll() is not None and not select.select([fd], [], [], 0)[0]:
+            pytest.fail(f"{text!r} not seen {count} times (exit {proc.poll()}): {seen!r}")
+        if select.select([fd], [], [], min(left, 0.2))[0]:
+            seen += os.read(fd, 65536).decode()
+    return seen
+
+
+def consume_slowly(consumer: Consumer, stop: threading.Event, step: float = 0.02) -> None:
+    while not stop.is_set() and not consumer.finished:
+        for _ in consumer:
+            time.sleep(step)
+            if stop.is_set():
+                break
+
+
+def test_serve_with_options_status_while_consuming_second_serve_and_sigterm(pipeline: Path) -> None:
+    """serve with --replay / --grace / --min-consumers; status (table, JSON, --watch, and
+    without torch) while a consumer runs; a second serve refused; SIGTERM ends cleanly."""
     name = unique_name("cli")
-    serve = start("serve", f"{pipeline}:make", "--name", name, "--slots", "3", "--arg", f"batches={BATCHES}")
+    serve = start(
+        "serve", f"{pipeline}:make", "--name", name, "--slots", "3", "--arg", f"batches={BATCHES}",
+        "--replay", "1M", "--min-consumers", "2", "--grace", "0.3", "--progress", "0.5",
+    )  # fmt: skip
     consumer = None
+    stop = threading.Event()
+    reader = threading.Thread(target=lambda: None)
     others: list[subprocess.Popen[str]] = []
     try:
         wait_until_serving(serve, name)
-        consumer = Consumer(name=name, timeout=10, label="cli-test")
+        # Only one of the two --min-consumers joins: the producer starts after the grace.
+        consumer = Consumer(name=name, timeout=10, label="cli-test", batch_size=4)
         assert [float(batch[0]) for batch in consumer] == [float(i) for i in range(BATCHES)]
+
+        reader = threading.Thread(target=consume_slowly, args=(consumer, stop), daemon=True)
+        reader.start()
+        deadline = time.monotonic() + 15
+        while not query_status(endpoint.resolve(name), 5)["consumers"][0]["samples_per_s"]:
+            assert time.monotonic() < deadline, "the consumer's rate never showed"
+            time.sleep(0.1)
 
         others = [
             start("status", "--name", name, "--timeout", "20"),
             start("status", "--name", name, "--json", "--timeout", "20"),
             start("serve", f"{pipeline}:make", "--name", name),
+            start_without_init("status", "--name", name, "--timeout", "20"),
+            start("status", "--name", name, "--watch", "0.3", "--timeout", "20"),
         ]
-        (rc_text, text, err_text), (rc_json, raw, err_json), (rc_second, _, err_second) = map(finish, others)
+        watch = others[-1]
+        watched = read_until(watch, "--- ", 2)
+        watch.send_signal(signal.SIGINT)
+        rc_watch, rest, err_watch = finish(watch)
+        assert rc_watch == 0 and "Traceback" not in err_watch, err_watch
+        assert "batches/s (last" in watched + rest and "cli-test" in watched
+        (rc_text, text, err_text), (rc_json, raw, err_json), (rc_second, _, err_second), (rc_lean, lean, err_lean) = map(
+            finish, others[:4]
+        )
 
         assert rc_text == 0, err_text
         assert f"pid {serve.pid}" in text and endpoint.resolve(name) in text
-        assert "bottleneck" in text and "slots 3" in text
+        assert "bottleneck: " in text and "3 slots" in text and "replay budget 1.0 MiB" in text
+        assert "stragglers: stall" in text and "batches/s (since start)" in text
+        header = next(line for line in text.splitlines() if line.startswith("consumer "))
+        assert header.split() == [
+            "consumer", "pid", "device", "batch", "joined", "cursor", "lag", "held", "received",
+            "skipped", "samples/s", "waiting", "note",
+        ]  # fmt: skip
         row = next(line for line in text.splitlines() if line.startswith("cli-test"))
-        assert str(os.getpid()) in row.split()
+        cells = row.split()
+        assert cells[1] == str(os.getpid()) and cells[2] == "cpu" and cells[3] == "4", row
+        assert cells[9] == "0" and cells[10] != "-" and cells[11].endswith("%"), row
 
         assert rc_json == 0, err_json
         status = json.loads(raw)
         assert status["pid"] == serve.pid and status["slots"] == 3
         assert status["published"] >= BATCHES and not status["ended"]
+        assert status["stragglers"] == "stall" and status["max_lag"] is None
+        assert status["replay_budget_bytes"] == 1 << 20 and status["replay_places"] == BATCHES
         [me] = status["consumers"]
         assert me["label"] == "cli-test" and me["pid"] == os.getpid() and me["received"] >= BATCHES
+        assert me["batch_size"] == 4 and me["late_join"] == "replay" and me["samples_per_s"] > 0
 
         assert rc_second == 1, err_second
         assert "already serving" in err_second and str(serve.pid) in err_second
 
+        assert rc_lean == 0, err_lean
+        assert "cli-test" in lean and err_lean.strip().endswith("no torch"), err_lean
+
+        stop.set()
+        reader.join(timeout=10)
         serve.send_signal(signal.SIGTERM)
         drain(consumer)
         assert consumer.finished
@@ -131,12 +224,54 @@ def test_serve_status_second_serve_and_sigterm(pipeline: Path) -> None:
         rc, _, err = finish(serve)
         assert rc == 0, err
         assert "SIGTERM" in err and "Traceback" not in err
+        assert "replay budget 1.0 MiB" in err and "bottleneck: " in err  # the start line, progress
         assert shm_segments(serve.pid) == []
     finally:
+        stop.set()
+        reader.join(timeout=10)
         if consumer is not None:
             consumer.close()
         for proc in [serve, *others]:
             kill(proc)
+
+
+def test_serve_stragglers_skip(pipeline: Path) -> None:
+    """--stragglers skip --max-lag: a slow consumer skips batches, and status shows it."""
+    name = unique_name("cli")
+    serve = start(
+        "serve", f"{pipeline}:make", "--name", name, "--slots", "4", "--max-lag", "1",
+        "--replay", "0", "--arg", "batches=50", "--progress", "0",
+    )  # fmt: skip
+    consumer = None
+    try:
+        wait_until_serving(serve, name)
+        consumer = Consumer(name=name, timeout=10, label="slowpoke")
+        deadline = time.monotonic() + 20
+        while consumer.skipped == 0:
+            assert time.monotonic() < deadline, "nothing was skipped"
+            for _ in consumer:
+                time.sleep(0.01)
+                if consumer.skipped:
+                    break
+        status = query_status(endpoint.resolve(name), 5)
+        assert status["stragglers"] == "skip" and status["max_lag"] == 1
+        assert status["replay_places"] == 0 and status["places"] == 8  # a window more for skips
+        [me] = status["consumers"]
+        assert me["skipped"] > 0
+        text = format_status(status, gpu=([], {}))
+        assert "stragglers: skip (a consumer lagging more than 1 batches skips ahead)" in text
+        assert "4 slots + 4 for skipping" in text
+        row = next(line for line in text.splitlines() if line.startswith("slowpoke"))
+        assert row.split()[9] == str(me["skipped"])
+        serve.send_signal(signal.SIGTERM)
+        drain(consumer)
+        consumer.close()
+        rc, _, err = finish(serve)
+        assert rc == 0 and "stragglers skip beyond 1 batches" in err, err
+    finally:
+        if consumer is not None:
+            consumer.close()
+        kill(serve)
 
 
 def test_sigint_while_waiting_for_consumers(pipeline: Path) -> None:

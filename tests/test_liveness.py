@@ -25,6 +25,7 @@ from tests.support import (
     run_consumer_and_die,
     same,
     serve_producer,
+    serving,
     shm_segments,
     unique_name,
 )
@@ -51,26 +52,6 @@ def reaped(*procs: Any) -> Iterator[None]:
                     os.kill(p.pid, signal.SIGCONT)  # a stopped process cannot die until resumed
                 p.kill()
             p.join(timeout=10)
-
-
-@contextlib.contextmanager
-def serving(producer: Producer, epochs: int | None) -> Iterator[tuple[threading.Thread, list[BaseException]]]:
-    """Run ``producer.serve(epochs)`` in a thread; close the producer and join it on the way out."""
-    errors: list[BaseException] = []
-
-    def body() -> None:
-        try:
-            producer.serve(epochs=epochs)
-        except BaseException as exc:  # reported by the test
-            errors.append(exc)
-
-    thread = threading.Thread(target=body, name="test-serve", daemon=True)
-    thread.start()
-    try:
-        yield thread, errors
-    finally:
-        producer.close()
-        thread.join(timeout=30)
 
 
 def tensorsocket_threads(before: Collection[threading.Thread] = ()) -> list[str]:
@@ -261,7 +242,9 @@ def test_normal_run_leaks_nothing(name):
     producer = Producer(NestedLoader(batches), name=name, slots=2, replay=0)
     with serving(producer, 1) as (server, errors):
         with Consumer(name=name, timeout=10) as consumer:
-            got = [index for index, batch in enumerate(consumer) if same(batch, expected_batch(index, batches))]
+            got = [
+                index for index, batch in enumerate(consumer) if same(batch, expected_batch(index, batches))
+            ]
             assert got == list(range(batches))
             assert list(consumer) == [] and consumer.finished
         server.join(timeout=30)
@@ -306,8 +289,11 @@ def test_second_producer_on_a_bound_tcp_port_is_refused_without_leaking():
 def test_stopped_consumer_is_evicted_after_its_timeout_and_the_other_stays_exact(name):
     batches, timeout = 6, 2.0  # also its handshake timeout: generous on a loaded machine
     results = SPAWN.Queue()
-    victim = SPAWN.Process(target=run_consumer, args=(name, EPOCHS, batches, results),
-                           kwargs={"hold": 2, "options": {"timeout": timeout}})
+    victim = SPAWN.Process(
+        target=run_consumer,
+        args=(name, EPOCHS, batches, results),
+        kwargs={"hold": 2, "options": {"timeout": timeout}},
+    )
     producer = Producer(NestedLoader(batches), name=name, slots=3, replay=0, min_consumers=2)
     with reaped(victim), serving(producer, EPOCHS) as (server, errors):
         consumer = Consumer(name=name, timeout=10)
@@ -319,8 +305,9 @@ def test_stopped_consumer_is_evicted_after_its_timeout_and_the_other_stays_exact
                     seen.append((epoch, index))
                     if not seen[1:]:  # after our first batch: stop the victim holding slots
                         deadline = time.monotonic() + 30
-                        while not any(c["pid"] == victim.pid and c["held"] >= 2
-                                      for c in producer.status()["consumers"]):
+                        while not any(
+                            c["pid"] == victim.pid and c["held"] >= 2 for c in producer.status()["consumers"]
+                        ):
                             assert time.monotonic() < deadline, "the victim never held 2 batches"
                             assert victim.is_alive(), "the victim died (see its stderr)"
                             time.sleep(0.005)
@@ -328,7 +315,9 @@ def test_stopped_consumer_is_evicted_after_its_timeout_and_the_other_stays_exact
                         os.kill(victim.pid, signal.SIGSTOP)
                         stopped_at = time.monotonic()
                         while any(c["pid"] == victim.pid for c in producer.status()["consumers"]):
-                            assert time.monotonic() - stopped_at < 10, "the stopped consumer was never evicted"
+                            assert time.monotonic() - stopped_at < 10, (
+                                "the stopped consumer was never evicted"
+                            )
                             time.sleep(0.005)
                         evicted_after = time.monotonic() - stopped_at
             assert list(consumer) == [] and consumer.finished

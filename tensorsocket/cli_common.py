@@ -1,0 +1,123 @@
+"""What the ``tensorsocket`` subcommands share: exit codes, the usage error, option types,
+the --name / --endpoint options and number formatting.
+
+Kept free of torch, zmq and the producer, so ``tensorsocket --help`` and ``tensorsocket
+status`` start fast (each command imports what it needs when it runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+
+from . import endpoint as endpoints
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    """A mistake in what the user asked for: printed as one message, exit code 2."""
+
+
+def error(message: str) -> None:
+    print(f"tensorsocket: error: {message}", file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------- option types
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def count(text: str) -> int:
+    """argparse type: an int >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def seconds(text: str) -> float:
+    """argparse type: a finite number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
+    return value
+
+
+_SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgt])i?)?b?", re.IGNORECASE)
+_POWER = {"k": 1, "m": 2, "g": 3, "t": 4}
+
+
+def size(text: str) -> int:
+    """argparse type: a number of bytes: ``0``, ``1048576``, ``512M``, ``2G``, ``1.5GiB``.
+    K, M, G and T are powers of 1024, with or without ``i`` / ``B`` (``2GB`` is ``2G``)."""
+    match = _SIZE.fullmatch(text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"expected a size in bytes like 0, 1048576, 512M or 2G, got {text!r}"
+        )
+    number, unit = match.groups()
+    value = float(number) * 1024 ** _POWER[unit.lower()] if unit else float(number)
+    if not math.isfinite(value) or value >= 2**63:
+        raise argparse.ArgumentTypeError(f"size {text!r} is too large")
+    return int(value)
+
+
+# ---------------------------------------------------------------------------- endpoints
+
+
+def add_endpoint_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument(
+        "--name",
+        help="producer name (an ipc socket in the per-user runtime directory); "
+        f"default: ${endpoints.ENV}, then '{endpoints.DEFAULT_NAME}'",
+    )
+    group.add_argument("--endpoint", help="an explicit endpoint: ipc:///path or tcp://127.0.0.1:5555")
+
+
+def resolve(args: argparse.Namespace) -> str:
+    try:
+        return endpoints.resolve(args.name, args.endpoint)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+# ---------------------------------------------------------------------------- formatting
+
+
+def fmt_bytes(n: int | float) -> str:
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def fmt_duration(seconds: float) -> str:
+    seconds = max(0.0, float(seconds))
+    if seconds < 60:
+        return f"{seconds:.0f}s"
+    minutes, secs = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"
