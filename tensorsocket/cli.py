@@ -19,18 +19,15 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import logging
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from . import cli_serve, cli_status
-from .cli_common import EXIT_FAIL, EXIT_OK, EXIT_USAGE, UsageError, error
+from .cli_common import EXIT_FAIL, EXIT_OK, EXIT_USAGE, UsageError, error, positive_int
 from .cli_status import NoProducer, bottleneck, format_status, gpu_lines, query_status
 from .pipeline import PipelineError
-
-log = logging.getLogger("tensorsocket")
 
 __all__ = [
     "EXIT_FAIL",
@@ -64,16 +61,16 @@ def _add_demo(sub: Any) -> None:
         "their own DataLoaders and then on one shared producer, and print what each achieved. "
         "Needs a source checkout (it runs scripts/demo.py).",
     )
-    p.add_argument("--trainers", type=int, default=3, help="training processes (default 3)")
-    p.add_argument("--images", type=int, default=1024, help="JPEGs in the generated dataset (default 1024)")
-    p.add_argument("--epochs", type=int, default=2, help="epochs each trainer runs (default 2)")
+    p.add_argument("--trainers", type=positive_int, default=3, help="training processes (default 3)")
+    p.add_argument(
+        "--images", type=positive_int, default=1024, help="JPEGs in the generated dataset (default 1024)"
+    )
+    p.add_argument("--epochs", type=positive_int, default=2, help="epochs each trainer runs (default 2)")
     p.set_defaults(run=cmd_demo)
 
 
 def _source_root() -> Path | None:
-    import tensorsocket
-
-    root = Path(tensorsocket.__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parent.parent
     needed = [
         root / "benchmarks" / "sharing.py",
         root / "scripts" / "demo.py",
@@ -83,9 +80,6 @@ def _source_root() -> Path | None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    for option in ("trainers", "images", "epochs"):
-        if getattr(args, option) < 1:
-            raise UsageError(f"--{option} must be >= 1, got {getattr(args, option)}")
     root = _source_root()
     if root is None:
         error(

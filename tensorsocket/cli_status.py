@@ -227,11 +227,17 @@ def behind(consumer: dict[str, Any]) -> int:
 
 def slowest(status: dict[str, Any]) -> dict[str, Any] | None:
     """The consumer holding the producer back: the furthest behind, then the one that
-    waits least for data (it is busy, the others wait for it), then the lowest rate."""
+    waits least for data (it is busy, the others wait for it), then the lowest rate. One
+    that has not reported its rates yet is not blamed on a tie."""
     consumers = status.get("consumers") or []
     if not consumers:
         return None
-    return min(consumers, key=lambda c: (-behind(c), c.get("waiting_share") or 0.0, _rate(c)))
+
+    def waiting(c: dict[str, Any]) -> float:
+        share = c.get("waiting_share")
+        return float(share) if isinstance(share, (int, float)) else 1.0
+
+    return min(consumers, key=lambda c: (-behind(c), waiting(c), _rate(c)))
 
 
 def bottleneck(status: dict[str, Any], previous: dict[str, Any] | None = None) -> str:

@@ -15,11 +15,12 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tensorsocket import Consumer, endpoint
-from tensorsocket.cli import format_status, gpu_lines, main, query_status
+from tensorsocket.cli import bottleneck, build_parser, format_status, gpu_lines, main, query_status
 from tensorsocket.pipeline import PipelineError
 from tensorsocket.pipeline import convert as _convert
 from tensorsocket.pipeline import load as load_pipeline
@@ -181,9 +182,12 @@ def test_serve_with_options_status_while_consuming_second_serve_and_sigterm(pipe
         rc_watch, rest, err_watch = finish(watch)
         assert rc_watch == 0 and "Traceback" not in err_watch, err_watch
         assert "batches/s (last" in watched + rest and "cli-test" in watched
-        (rc_text, text, err_text), (rc_json, raw, err_json), (rc_second, _, err_second), (rc_lean, lean, err_lean) = map(
-            finish, others[:4]
-        )
+        (
+            (rc_text, text, err_text),
+            (rc_json, raw, err_json),
+            (rc_second, _, err_second),
+            (rc_lean, lean, err_lean),
+        ) = map(finish, others[:4])
 
         assert rc_text == 0, err_text
         assert f"pid {serve.pid}" in text and endpoint.resolve(name) in text
@@ -347,38 +351,157 @@ def test_parsing_in_process(pipeline: Path, capsys: pytest.CaptureFixture[str]) 
     assert "--trainers" in capsys.readouterr().out
 
 
-def test_format_status_and_gpu_lines(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--replay", "12X"], "argument --replay: expected a size in bytes like 0, 1048576, 512M or 2G"),
+        (["--replay", "-1"], "argument --replay: expected a size in bytes"),
+        (["--grace", "-1"], "argument --grace: expected a number of seconds >= 0, got '-1'"),
+        (["--grace", "nan"], "argument --grace: expected a number of seconds >= 0"),
+        (["--grace", "soon"], "argument --grace: expected a number of seconds, got 'soon'"),
+        (["--stragglers", "drop"], "argument --stragglers: invalid choice: 'drop'"),
+        (["--max-lag", "0"], "argument --max-lag: expected a positive integer, got '0'"),
+        (["--max-lag", "2", "--stragglers", "stall"], "--max-lag applies to --stragglers skip only"),
+        (["--max-lag", "8"], "--max-lag must be below --slots (8), got 8"),
+        (["--stragglers", "skip", "--slots", "1"], "--stragglers skip needs --slots 2 or more"),
+        (["--slots", "0"], "argument --slots: expected a positive integer, got '0'"),
+        (["--epochs", "-1"], "argument --epochs: expected an integer >= 0, got '-1'"),
+        (["--min-consumers", "0"], "argument --min-consumers: expected a positive integer"),
+    ],
+)
+def test_bad_serve_options_exit_2_before_anything_starts(
+    pipeline: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    name = unique_name("cli")
+    assert main(["serve", f"{pipeline}:make", "--name", name, *args]) == 2
+    assert message in capsys.readouterr().err
+    assert not os.path.exists(endpoint.resolve(name)[len("ipc://") :])
+
+
+def test_serve_options_reach_the_producer() -> None:
+    from tensorsocket.cli_common import size
+    from tensorsocket.cli_serve import producer_options
+
+    parser = build_parser()
+    options = producer_options(parser.parse_args(["serve", "m:f", "--replay", "512M", "--grace", "2.5"]))
+    assert options == {
+        "device": "cpu", "slots": 8, "replay": 512 << 20, "min_consumers": 1, "grace": 2.5,
+        "stragglers": "stall", "max_lag": None, "linger": 10.0,
+    }  # fmt: skip
+    assert producer_options(parser.parse_args(["serve", "m:f"]))["replay"] is None  # the library default
+    implied = producer_options(parser.parse_args(["serve", "m:f", "--max-lag", "3"]))
+    assert implied["stragglers"] == "skip" and implied["max_lag"] == 3
+    skip = producer_options(parser.parse_args(["serve", "m:f", "--stragglers", "skip"]))
+    assert skip["stragglers"] == "skip" and skip["max_lag"] is None  # the producer picks slots // 2
+    sizes = {"0": 0, "4096": 4096, "64K": 64 << 10, "512M": 512 << 20, "512MiB": 512 << 20, "2g": 2 << 30}
+    sizes.update({"2GB": 2 << 30, "1.5G": 3 << 29, "10 MB": 10 << 20, "7b": 7})
+    assert {text: size(text) for text in sizes} == sizes
+
+
+def test_status_watch_count_without_a_producer(capsys: pytest.CaptureFixture[str]) -> None:
+    nobody = unique_name("cli")
+    started = time.monotonic()
+    assert main(["status", "--name", nobody, "--watch", "0.05", "--count", "3"]) == 1
+    assert time.monotonic() - started < 5
+    out = capsys.readouterr().out
+    assert out.count(f"no producer is serving {nobody}") == 3 and out.count("--- ") == 3
+    assert main(["status", "--name", nobody, "--watch", "0"]) == 2
+    assert "--watch must be > 0 seconds" in capsys.readouterr().err
+    assert main(["status", "--name", nobody, "--count", "0"]) == 2
+    assert "argument --count: expected a positive integer" in capsys.readouterr().err
+
+
+def _consumer(label: str, **fields: Any) -> dict[str, Any]:
+    base = {
+        "label": label, "pid": 7, "device": "cpu", "batch_size": None, "late_join": "replay",
+        "joined_s_ago": 75.0, "cursor": 17, "lag": 0, "catching_up": False, "held": 1,
+        "received": 16, "skipped": 0, "batches": 16, "samples": 512, "waiting_s": 1.0,
+        "samples_per_s": 250.0, "batches_per_s": 7.8, "waiting_share": 0.5,
+    }  # fmt: skip
+    return {**base, **fields}
+
+
+def _status(**fields: Any) -> dict[str, Any]:
+    base = {
+        "endpoint": "ipc:///x.sock", "pid": 42, "uptime_s": 10.0, "slots": 4, "places": 12,
+        "replay_places": 8, "replay_budget_bytes": 1 << 30, "resident_batches": 12,
+        "slot_bytes": 12 << 20, "stragglers": "stall", "max_lag": None, "epoch": 1, "next_seq": 20,
+        "ended": False, "batches_per_epoch": 16, "samples_per_epoch": 512, "published": 18,
+        "loader_wait": 6.0, "slot_wait": 1.0, "publish_time": 1.5, "bad_messages": 0,
+        "consumers": [
+            _consumer("a", cursor=17, lag=1, held=2, batch_size=32, device="cuda:0"),
+            _consumer("late", pid=8, cursor=None, held=0, received=0, samples_per_s=None, waiting_share=None),
+        ],
+    }  # fmt: skip
+    return {**base, **fields}
+
+
+def test_format_status() -> None:
+    status = _status()
+    text = format_status(status, gpu=([], {}))
+    lines = text.splitlines()
+    assert lines[0] == "producer ipc:///x.sock  pid 42  up 10s  epoch 1"
+    assert lines[1] == "  published 18 batches (16 an epoch), 1.8 batches/s (since start)"
+    assert lines[2] == (
+        "  time (since start): 60% in next(loader), 10% waiting for a free slot, 5% writing, 25% other"
+    )
+    assert lines[3] == "  bottleneck: the loader"
+    assert lines[4].startswith("  stragglers: stall")
+    assert lines[5] == (
+        "  shared memory 12.0 MiB in use (~1.0 MiB a batch): 4 slots ~4.0 MiB, 8 replay places ~8.0 MiB "
+        "(replay budget 1.0 GiB); 12 batches resident"
+    )
+    rows = lines[-3:]
+    assert rows[0].split() == [
+        "consumer", "pid", "device", "batch", "joined", "cursor", "lag", "held", "received",
+        "skipped", "samples/s", "waiting", "note",
+    ]  # fmt: skip
+    assert rows[1].split() == ["a", "7", "cuda:0", "32", "1m15s", "17", "1", "2", "16", "0", "250.0", "50%"]
+    assert rows[2].split()[:12] == ["late", "8", "cpu", "-", "1m15s", "-", "-", "0", "0", "0", "-", "-"]
+    assert rows[2].endswith("waits for the next epoch")
+
+    # Since a previous snapshot of the same producer: rates and shares over the time between.
+    later = _status(uptime_s=12.0, published=28, loader_wait=6.2, slot_wait=2.6, publish_time=3.2)
+    text = format_status(later, status, gpu=([], {}))
+    assert "10 batches published" not in text and "5.0 batches/s (last 2.0 s)" in text
+    assert "10% in next(loader), 80% waiting for a free slot" in text
+    assert "bottleneck: the slowest consumer (a)" in text  # the furthest behind: lag 1 + 2 held
+    # Another producer on the name (a restart): the previous snapshot is ignored.
+    assert "(since start)" in format_status(_status(pid=43, uptime_s=1.0), status, gpu=([], {}))
+
+    empty = format_status(_status(consumers=[], published=0), gpu=([], {}))
+    assert empty.endswith("no consumers connected") and "nothing published" in empty
+    assert "4 slots + 4 for skipping" in format_status(_status(stragglers="skip", max_lag=2, places=16))
+
+
+def test_bottleneck_in_plain_words() -> None:
+    assert bottleneck(_status()) == "the loader"
+    slot_bound = _status(loader_wait=0.5, slot_wait=8.0, publish_time=8.5)
+    assert bottleneck(slot_bound) == "the slowest consumer (a)"
+    # Equally far behind: the one that waits least for data is the one the others wait for.
+    tied = [_consumer("busy", held=3, waiting_share=0.01), _consumer("idle", held=3, waiting_share=0.9)]
+    assert bottleneck(dict(slot_bound, consumers=tied)) == "the slowest consumer (busy)"
+    assert bottleneck(_status(loader_wait=0.1, slot_wait=0.1, publish_time=5.0)).startswith(
+        "the producer itself"
+    )
+    assert bottleneck(_status(ended=True)) == "none: the stream has ended"
+    assert bottleneck(_status(published=0)).startswith("none yet: nothing published")
+    assert bottleneck(_status(consumers=[])).startswith("none: no consumer is connected")
+    # No batch since the last look: a wait still running. A full window means a free slot.
+    stuck = _status(uptime_s=13.0)
+    assert bottleneck(stuck, _status()) == "the loader: no batch published for 3.0 s"
+    full = [_consumer("a", lag=0, held=4), _consumer("b", held=1)]
+    assert bottleneck(dict(stuck, consumers=full), _status()) == (
+        "the slowest consumer (a): no batch published for 3.0 s, the window is full"
+    )
+
+
+def test_gpu_lines_and_column(monkeypatch: pytest.MonkeyPatch) -> None:
     import types
 
-    status = {
-        "endpoint": "ipc:///x.sock",
-        "pid": 42,
-        "slots": 4,
-        "slot_bytes": 3 << 20,
-        "epoch": 1,
-        "next_seq": 20,
-        "ended": False,
-        "published": 18,
-        "loader_wait": 2.5,
-        "publish_time": 0.5,
-        "bad_messages": 0,
-        "consumers": [
-            {"label": "a", "pid": 7, "joined_s_ago": 75.0, "cursor": 17, "held": 2, "received": 16},
-            {"label": "late", "pid": 8, "joined_s_ago": 1.0, "cursor": None, "held": 0, "received": 0},
-        ],
-    }
     monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed: no GPU line, no error
-    text = format_status(status)
-    assert "bottleneck is the loader" in text and "3.0 MiB" in text and "gpu" not in text
-    rows = text.splitlines()[-3:]
-    assert rows[0].split() == ["label", "pid", "joined", "cursor", "lag", "held", "received"]
-    assert rows[1].split() == ["a", "7", "1m15s", "ago", "17", "3", "2", "16"]
-    assert rows[2].split() == ["late", "8", "1s", "ago", "-", "-", "0", "0"]
-    later = dict(status, published=28, loader_wait=2.5, publish_time=9.0)
-    later["consumers"] = [dict(status["consumers"][0], received=26)]
-    text = format_status(later, status, 2.0)
-    assert "(5.0 batches/s)" in text and "bottleneck is the consumers" in text
-    assert text.splitlines()[-1].split()[-1] == "5.0"
+    assert gpu_lines() == []
+    assert "gpu" not in format_status(_status())
 
     memory = types.SimpleNamespace(used=1 << 30, total=80 << 30)
     fake = types.SimpleNamespace(
@@ -389,10 +512,14 @@ def test_format_status_and_gpu_lines(monkeypatch: pytest.MonkeyPatch) -> None:
         nvmlDeviceGetName=lambda h: b"H100",
         nvmlDeviceGetMemoryInfo=lambda h: memory,
         nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=37),
+        nvmlDeviceGetComputeRunningProcesses=lambda h: [types.SimpleNamespace(pid=7, usedGpuMemory=3 << 29)],
     )
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     assert gpu_lines() == ["gpu 0 H100: memory 1.0 GiB / 80.0 GiB, utilisation 37%"]
-    assert "utilisation 37%" in format_status(status)
+    text = format_status(_status())
+    assert "  gpu 0 H100: memory 1.0 GiB / 80.0 GiB, utilisation 37%" in text
+    header, first, second = text.splitlines()[-3:]
+    assert "gpu mem" in header and "1.5 GiB" in first and "1.5 GiB" not in second
 
     def no_driver() -> None:
         raise RuntimeError("NVML Shared Library Not Found")
