@@ -569,11 +569,6 @@ class Producer:
             raise ProtocolError(f"a consumer may not send {kind.value} messages")
 
     def _hello(self, cid: bytes, msg: dict[str, Any], now: float) -> None:
-        if msg["version"] != protocol.VERSION:
-            raise ProtocolError(
-                f"consumer speaks protocol {msg['version']}, this producer speaks {protocol.VERSION}: "
-                "install the same tensorsocket version on both sides"
-            )
         if cid in self._peers:
             raise ProtocolError("HELLO from a consumer that already joined")
         local = same_host(msg["boot_id"], msg["pidns"])

@@ -16,7 +16,7 @@ import msgpack
 
 from .errors import ProtocolError
 
-VERSION = 1
+VERSION = 2
 #: Largest frame a consumer may send; the producer also sets ZMQ_MAXMSGSIZE to this.
 MAX_REQUEST_BYTES = 64 * 1024
 #: Largest frame a producer may send (a BATCH whose layout has very many leaves).
@@ -165,6 +165,12 @@ def decode(frame: bytes, max_bytes: int = MAX_REQUEST_BYTES) -> tuple[Kind, dict
         kind = Kind(k)
     except (ValueError, TypeError):
         raise ProtocolError(f"unknown message kind {k!r:.40}") from None
+    if kind is Kind.HELLO and msg.get("version") != VERSION:
+        # Before the fields: another version may have other fields, and this is what to say.
+        raise ProtocolError(
+            f"consumer speaks protocol {msg.get('version')!r:.20}, this producer speaks {VERSION}: "
+            "install the same tensorsocket version on both sides"
+        )
     schema = SCHEMA[kind]
     for field, check in schema.items():
         if field not in msg:

@@ -57,7 +57,7 @@ VALID: dict[str, Any] = {
     "waiting": 1.25,
 }
 EDGES: dict[str, list[Any]] = {
-    "version": [0, 2**63 - 1],
+    "version": [protocol.VERSION],  # any other is refused: test_other_protocol_versions_are_refused
     "pid": [1, (1 << 31) - 1],
     "boot_id": ["", "b" * 64],
     "pidns": [0, 2**63 - 1],
@@ -450,3 +450,11 @@ def test_truncated_and_flipped_valid_frames(data: st.DataObject) -> None:
     i = data.draw(st.integers(0, len(frame) - 1))
     frame[i] = data.draw(st.integers(0, 255))
     _decode_or_protocol_error(bytes(frame), protocol.MAX_REPLY_BYTES)
+
+
+@pytest.mark.parametrize("version", [0, 1, protocol.VERSION + 1, 2**63 - 1, None, "2"])
+def test_other_protocol_versions_are_refused_before_their_fields_are_read(version):
+    """A consumer of another version may send other HELLO fields; it is told the versions."""
+    frame = msgpack.packb({"k": "hello", "version": version, "future": True})
+    with pytest.raises(ProtocolError, match=f"speaks protocol .*this producer speaks {protocol.VERSION}"):
+        protocol.decode(frame)
