@@ -138,8 +138,12 @@ class Producer:
             raise ValueError(f"stragglers must be one of {STRAGGLERS}, got {stragglers!r}")
         if stragglers == "stall" and max_lag is not None:
             raise ValueError("max_lag applies to stragglers='skip' only")
+        if stragglers == "skip" and type(slots) is int and slots < 2:
+            raise ValueError(
+                f"stragglers='skip' needs slots >= 2 (got {slots}): a straggler may lag up to slots - 1 batches"
+            )
         if stragglers == "skip" and max_lag is None:
-            max_lag = max(1, slots // 2) if type(slots) is int and slots > 1 else 1
+            max_lag = max(1, slots // 2) if type(slots) is int else 1
         if not isinstance(linger, (int, float)) or linger < 0:
             raise ValueError(f"linger must be a number of seconds >= 0, got {linger!r}")
         if device != "cpu":

@@ -63,6 +63,17 @@ class Serving:
         ({"linger": -1}, ValueError, ["linger"]),
         ({"device": "cuda:0"}, ValueError, ["device", "cuda:0"]),
         ({"device": "cuda"}, ValueError, ["device"]),
+        ({"replay": -1}, ValueError, ["replay"]),
+        ({"replay": 1.5}, ValueError, ["replay"]),
+        ({"replay": "1G"}, ValueError, ["replay"]),
+        ({"grace": -1}, ValueError, ["grace"]),
+        ({"grace": "5"}, ValueError, ["grace"]),
+        ({"stragglers": "drop"}, ValueError, ["stragglers", "drop"]),
+        ({"max_lag": 2}, ValueError, ["max_lag", "skip"]),
+        ({"stragglers": "skip", "max_lag": 8}, ValueError, ["max_lag", "slots"]),
+        ({"stragglers": "skip", "max_lag": 0}, ValueError, ["max_lag"]),
+        ({"stragglers": "skip", "max_lag": 1.5}, ValueError, ["max_lag"]),
+        ({"stragglers": "skip", "slots": 1}, ValueError, ["skip", "slots"]),
     ],
 )
 def test_producer_rejects_bad_options(name, kwargs, exc, words):
@@ -126,6 +137,13 @@ def test_bad_names_and_endpoints_are_refused_by_both_sides(where, words):
         ({"copy": 1}, ["copy"]),
         ({"device": "nonsense"}, ["device", "nonsense"]),
         ({"label": "x" * 200}, ["label"]),
+        ({"batch_size": 0}, ["batch_size"]),
+        ({"batch_size": True}, ["batch_size"]),
+        ({"batch_size": "32"}, ["batch_size"]),
+        ({"batch_size": 32, "drop_last": "yes"}, ["drop_last"]),
+        ({"drop_last": True}, ["drop_last", "batch_size"]),
+        ({"late_join": "later"}, ["late_join", "later", "next_epoch"]),
+        ({"late_join": None}, ["late_join"]),
     ],
 )
 def test_consumer_rejects_bad_options_before_connecting(name, kwargs, words):
