@@ -1,27 +1,27 @@
 """Membership benchmark: what a late joiner and a straggler cost the other consumers.
 
-Real processes (multiprocessing spawn): one producer, consumers that simulate a training
-step with a sleep (holding the batch during the step, as a trainer does). The loader is
-synthetic and cheap: float32 batches of 32 x 3 x 64 x 64 (1.5 MiB) filled with
-``epoch * 10000 + index``, labels that value + 0..31, with a sleep per batch so its rate is
-known. Every consumer checks every batch it gets against that formula and the order it got
-them in against what the producer published, so each figure comes with an exactness check.
+Real processes (multiprocessing spawn; four worker processes started once and reused, each
+run with a fresh Producer and Consumers), consumers that simulate a training step with a
+sleep while holding the batch. The loader is synthetic and cheap: float32 batches of
+32 x 3 x 64 x 64 (1.5 MiB) filled with ``epoch * 10000 + index``, labels that value + 0..31,
+with a sleep per batch so its rate is known. Every consumer checks every batch against that
+formula, and the order it got them in against what the producer published.
 
 1. **Late joiner.** Two leaders (``--step-ms``) run ``--epochs`` epochs of ``--batches``
    batches; a third consumer joins when the first leader has taken ``--join-at`` batches of
    epoch 0. With ``late_join="replay"`` (the default) and a replay budget that holds the
-   whole epoch it starts at batch 0 and the producer holds the leaders back until it is
-   within the window. Reported: its catch-up time (construction until its position in the
-   stream reaches the leaders', from consumer-side timestamps), whether it saw epoch 0 from
-   batch 0, and the leaders' samples/s while it catches up vs before the join and vs a
-   control run without a joiner. ``next_epoch`` and ``now`` (and replay=0 variants) are
-   run alongside for contrast. Each configuration runs ``--repeats`` times; the table shows
-   medians, the JSON every run.
+   epoch it starts at batch 0, and the producer holds the leaders back while it lags more
+   than the window (``slots``). Reported: how long the leaders were held back (the
+   producer's ``catching_up`` flag, from status() polled every 10 ms), when the joiner's
+   position in the stream reaches the leaders' (consumer-side timestamps), whether it saw
+   epoch 0 from batch 0, and the leaders' samples/s in those windows vs before the join and
+   vs a control run without a joiner. Also: a faster joiner (``--fast-joiner-ms``),
+   ``next_epoch``, ``now``, and replay=0 variants. ``--repeats`` runs each; medians shown.
 2. **Stragglers.** A fast (``--fast-ms``) and a slow (``--slow-ms``) consumer, one epoch of
    ``--straggler-batches`` batches from a loader faster than both, under
    ``stragglers="stall"`` and ``"skip"`` (the default max_lag and ``--max-lag``): each
-   consumer's samples/s, the slow one's ``Consumer.skipped``, and checks that
-   seen + skipped == published for it and that the fast one saw every batch exactly once.
+   consumer's samples/s, ``Consumer.skipped``, and checks that seen + skipped == published
+   for the slow one and that the fast one saw every batch exactly once.
 
     python3 -m benchmarks.membership   # writes benchmarks/results/membership-<host>-<date>.json
 """
@@ -88,17 +88,17 @@ def _consumer(
     role: str,
     step_s: float,
     late_join: str,
-    wait_for: Any,
+    wait_for_signal: bool,
+    signal_at: int | None,
     signal: Any,
-    signal_at: int,
     out: Any,
 ) -> None:
-    """Consume every epoch until the end of stream; report (loop, value, time) per batch."""
+    """Consume every epoch until the end of stream; report (loop, value, time) per batch.
+    ``signal_at``: set ``signal`` after that many batches; ``wait_for_signal``: join only then."""
     from tensorsocket import Consumer
 
-    torch.set_num_threads(1)
     report: dict[str, Any] = {"role": role, "late_join": late_join, "errors": []}
-    if wait_for is not None and not wait_for.wait(timeout=120):
+    if wait_for_signal and not signal.wait(timeout=60):
         report["errors"].append("the join signal never came")
         out.put(report)
         return
@@ -122,7 +122,7 @@ def _consumer(
                 if pause > 0:
                     time.sleep(pause)  # the training step, holding the batch
                 del images, labels
-                if signal is not None and len(records) == signal_at:
+                if len(records) == signal_at:
                     signal.set()
             if consumer.finished:
                 break
@@ -147,6 +147,7 @@ def _producer(
     min_consumers: int,
     stragglers: str,
     max_lag: int | None,
+    signal: Any,
     out: Any,
 ) -> None:
     """Serve ``epochs`` epochs. Polls status() every 10 ms for each consumer's last counts and
@@ -154,7 +155,6 @@ def _producer(
     the others back for it) cleared."""
     from tensorsocket import Producer
 
-    torch.set_num_threads(1)
     report: dict[str, Any] = {"role": "producer", "errors": []}
     kwargs: dict[str, Any] = {} if max_lag is None else {"max_lag": max_lag}
     last: dict[str, dict[str, Any]] = {}  # label -> its last status entry
@@ -184,9 +184,11 @@ def _producer(
 
         poller = threading.Thread(target=poll, daemon=True)
         poller.start()
-        producer.serve(epochs=epochs)
-        stop.set()
-        poller.join()
+        try:
+            producer.serve(epochs=epochs)
+        finally:
+            stop.set()
+            poller.join()
         status = producer.status()
         report.update(
             {k: status[k] for k in ("published", "places", "replay_places", "max_lag", "slot_wait")},
@@ -201,28 +203,71 @@ def _producer(
     out.put(report)
 
 
-def _launch(targets: list[tuple[Any, tuple[Any, ...]]], timeout: float) -> list[dict[str, Any]]:
-    """Run each target in a spawned process; each puts one report. A hang becomes a report."""
-    out = SPAWN.Queue()
-    procs = [SPAWN.Process(target=t, args=(*args, out)) for t, args in targets]
-    for p in procs:
-        p.start()
-    reports = []
-    deadline = time.monotonic() + timeout
-    try:
-        for _ in procs:
+_JOBS = {"producer": _producer, "consumer": _consumer}
+
+
+def _worker(tasks: Any, signal: Any, out: Any) -> None:
+    """A long-lived process: runs the jobs it is sent (one Producer or Consumer each) until None."""
+    import tensorsocket  # noqa: F401  (imported before the first job, not during it)
+
+    torch.set_num_threads(1)
+    while (task := tasks.get()) is not None:
+        job, args = task
+        try:
+            _JOBS[job](*args, signal, out)
+        except Exception as exc:
+            out.put(
+                {"role": args[1] if job == "consumer" else job, "errors": [f"{type(exc).__name__}: {exc}"]}
+            )
+
+
+class Workers:
+    """Four spawned processes, started once and reused for every run: starting four Python
+    processes that import torch takes ~10 s on two cores, longer than most runs, and would
+    compete for the CPU with the run itself. Each run gets a fresh Producer and Consumers."""
+
+    def __init__(self, count: int = 4) -> None:
+        self.count = count
+        self._start()
+
+    def _start(self) -> None:
+        self.out = SPAWN.Queue()
+        self.signal = SPAWN.Event()
+        self.tasks = [SPAWN.Queue() for _ in range(self.count)]
+        self.procs = [SPAWN.Process(target=_worker, args=(q, self.signal, self.out)) for q in self.tasks]
+        for p in self.procs:
+            p.start()
+
+    def run(self, jobs: list[tuple[str, tuple[Any, ...]]], timeout: float) -> list[dict[str, Any]]:
+        """One job per worker; each puts one report. A hang becomes a report (and the workers
+        are replaced, so the next run starts clean)."""
+        self.signal.clear()
+        for q, job in zip(self.tasks, jobs, strict=False):
+            q.put(job)
+        reports = []
+        deadline = time.monotonic() + timeout
+        for _ in jobs:
             try:
-                reports.append(out.get(timeout=max(0.1, deadline - time.monotonic())))
+                reports.append(self.out.get(timeout=max(0.1, deadline - time.monotonic())))
             except queue.Empty:
-                reports.append({"role": "?", "errors": [f"no report within {timeout:g} s (hang?)"]})
+                roles = {r["role"] for r in reports}
+                reports.append(
+                    {"role": "?", "errors": [f"no report within {timeout:g} s (hang?); reported: {roles}"]}
+                )
+                self.close(force=True)
+                self._start()
                 break
-    finally:
-        for p in procs:
-            p.join(timeout=15)
+        return reports
+
+    def close(self, force: bool = False) -> None:
+        if not force:
+            for q in self.tasks:
+                q.put(None)
+        for p in self.procs:
+            p.join(timeout=0 if force else 15)
             if p.is_alive():
                 p.kill()
-                reports.append({"role": "?", "errors": [f"process {p.pid} did not exit; killed"]})
-    return reports
+                p.join()
 
 
 # ---------------------------------------------------------------------------- analysis
@@ -388,6 +433,7 @@ def run_join(
     slots: int,
     replay: int,
     repeats: int,
+    workers: Workers,
     log: Any = print,
 ) -> dict[str, Any]:
     cases = [  # (case, late_join policy or None for no joiner, replay bytes, joiner step ms)
@@ -404,16 +450,15 @@ def run_join(
         control_rate = None
         for case, policy, budget, joiner_ms in cases:
             name = f"membership-{uuid.uuid4().hex[:8]}"
-            signal = SPAWN.Event()
-            targets: list[tuple[Any, tuple[Any, ...]]] = [
-                (_producer, (name, batches, epochs, loader_ms / 1000, slots, budget, 2, "stall", None)),
-                (_consumer, (name, "leader0", step_ms / 1000, "replay", None, signal, join_at)),
-                (_consumer, (name, "leader1", step_ms / 1000, "replay", None, None, 0)),
+            jobs: list[tuple[str, tuple[Any, ...]]] = [
+                ("producer", (name, batches, epochs, loader_ms / 1000, slots, budget, 2, "stall", None)),
+                ("consumer", (name, "leader0", step_ms / 1000, "replay", False, join_at)),
+                ("consumer", (name, "leader1", step_ms / 1000, "replay", False, None)),
             ]
             if policy is not None:
-                targets.append((_consumer, (name, "joiner", joiner_ms / 1000, policy, signal, None, 0)))
+                jobs.append(("consumer", (name, "joiner", joiner_ms / 1000, policy, True, None)))
             t0 = time.perf_counter()
-            reports = _launch(targets, timeout=120)
+            reports = workers.run(jobs, timeout=120)
             res = _analyse_join(reports, epochs, batches, join_at, step_ms / 1000, control_rate)
             res["wall_s"] = round(time.perf_counter() - t0, 2)
             if case == "control":
@@ -423,7 +468,7 @@ def run_join(
             log(
                 f"  {rep + 1}/{repeats} {case:<22} first batch {j.get('first_batch')}, held back "
                 f"{j.get('held_back_ms')} ms, position catch-up {j.get('catch_up_ms')} ms, exact: leaders "
-                f"{res['leaders_exact']} joiner {j.get('exact')}"
+                f"{res['leaders_exact']} joiner {j.get('exact')} ({res['wall_s']} s)"
                 + (f"  ERRORS {res['errors']}" if res["errors"] else "")
             )
     return out
@@ -469,6 +514,7 @@ def run_stragglers(
     slots: int,
     max_lag: int,
     repeats: int,
+    workers: Workers,
     log: Any = print,
 ) -> dict[str, Any]:
     cases = [
@@ -480,20 +526,21 @@ def run_stragglers(
     for rep in range(repeats):
         for case, policy, lag in cases:
             name = f"membership-{uuid.uuid4().hex[:8]}"
-            targets: list[tuple[Any, tuple[Any, ...]]] = [
-                (_producer, (name, batches, 1, loader_ms / 1000, slots, 0, 2, policy, lag)),
-                (_consumer, (name, "fast", fast_ms / 1000, "replay", None, None, 0)),
-                (_consumer, (name, "slow", slow_ms / 1000, "replay", None, None, 0)),
+            jobs: list[tuple[str, tuple[Any, ...]]] = [
+                ("producer", (name, batches, 1, loader_ms / 1000, slots, 0, 2, policy, lag)),
+                ("consumer", (name, "fast", fast_ms / 1000, "replay", False, None)),
+                ("consumer", (name, "slow", slow_ms / 1000, "replay", False, None)),
             ]
             t0 = time.perf_counter()
-            res = _analyse_stragglers(_launch(targets, timeout=120), batches)
+            res = _analyse_stragglers(workers.run(jobs, timeout=120), batches)
             res["wall_s"] = round(time.perf_counter() - t0, 2)
             out[case].append(res)
             f, s = res["fast"], res["slow"]
             log(
                 f"  {rep + 1}/{repeats} {case:<22} fast {f.get('samples_per_s')} samples/s "
                 f"(skipped {f.get('skipped')}), slow {s.get('samples_per_s')} samples/s "
-                f"(skipped {s.get('skipped')})" + (f"  ERRORS {res['errors']}" if res["errors"] else "")
+                f"(skipped {s.get('skipped')}) ({res['wall_s']} s)"
+                + (f"  ERRORS {res['errors']}" if res["errors"] else "")
             )
     return out
 
@@ -627,8 +674,9 @@ def print_tables(s: dict[str, Any], config: dict[str, Any]) -> None:
             continue
         first = ",".join(f"({e},{i})" for e, i in r["joiner_first_batch"]) or "-"
         catch = _fmt(r["catch_up_ms"])
-        if r["catch_up_ms"] is not None and r["caught_up_before_leaders_finished"].startswith("0/"):
-            catch += " (at end)"
+        mid, n = (int(x) for x in r["caught_up_before_leaders_finished"].split("/"))
+        if r["catch_up_ms"] is not None and mid < n:
+            catch += f" (at end {n - mid}/{n})"
         rows.append(
             (
                 case,
@@ -660,8 +708,8 @@ def print_tables(s: dict[str, Any], config: dict[str, Any]) -> None:
         "  held back: from the joiner's construction until the producer's catching_up flag cleared (it no "
         "longer\n  lags more than the window, so the leaders are no longer held for it). position catch-up: "
         "until the\n  joiner has taken as many batches as the furthest leader (consumer-side timestamps); "
-        "'(at end)': only\n  once the leaders had finished the stream. gap: median batches it trailed the "
-        "leaders by."
+        "'(at end k/n)': in k\n  runs only once the leaders had finished the stream. gap: median batches it trailed the "
+        "leaders by\n  (negative: ahead of them)."
     )
     rows = []
     for case, r in s["late_join"].items():
@@ -765,12 +813,12 @@ def main() -> None:
     parser.add_argument("--loader-ms", type=float, default=2.0, help="the loader's sleep per batch")
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--replay-mib", type=int, default=128, help="must hold a whole epoch")
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each late-joiner case")
+    parser.add_argument("--repeats", type=int, default=5, help="runs of each late-joiner case")
     parser.add_argument("--straggler-batches", type=int, default=200)
     parser.add_argument("--fast-ms", type=float, default=10.0)
     parser.add_argument("--slow-ms", type=float, default=40.0)
     parser.add_argument("--max-lag", type=int, default=2)
-    parser.add_argument("--straggler-repeats", type=int, default=2)
+    parser.add_argument("--straggler-repeats", type=int, default=3)
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     config = {
@@ -798,29 +846,47 @@ def main() -> None:
         "timestamps": "time.monotonic() in each consumer when next() returned; status() polled every 10 ms",
     }
     t0 = time.perf_counter()
-    print("late joiner ...")
-    join = run_join(
-        batches=args.batches,
-        epochs=args.epochs,
-        join_at=args.join_at,
-        step_ms=args.step_ms,
-        joiner_step_ms=args.joiner_step_ms,
-        fast_joiner_ms=args.fast_joiner_ms,
-        loader_ms=args.loader_ms,
-        slots=args.slots,
-        replay=args.replay_mib * MIB,
-        repeats=args.repeats,
-    )
-    print("stragglers ...")
-    stragglers = run_stragglers(
-        batches=args.straggler_batches,
-        fast_ms=args.fast_ms,
-        slow_ms=args.slow_ms,
-        loader_ms=args.loader_ms,
-        slots=args.slots,
-        max_lag=args.max_lag,
-        repeats=args.straggler_repeats,
-    )
+    print("starting 4 worker processes ...")
+    workers = Workers()
+    try:
+        # warm-up, discarded: the first Producer / Consumer in a process sets up zmq and maps
+        name = f"membership-{uuid.uuid4().hex[:8]}"
+        workers.run(
+            [
+                ("producer", (name, 10, 1, 0.0, args.slots, 0, 3, "stall", None)),
+                ("consumer", (name, "w0", 0.0, "replay", False, None)),
+                ("consumer", (name, "w1", 0.0, "replay", False, None)),
+                ("consumer", (name, "w2", 0.0, "replay", False, None)),
+            ],
+            timeout=120,
+        )
+        print(f"workers ready after {time.perf_counter() - t0:.1f} s\nlate joiner ...")
+        join = run_join(
+            batches=args.batches,
+            epochs=args.epochs,
+            join_at=args.join_at,
+            step_ms=args.step_ms,
+            joiner_step_ms=args.joiner_step_ms,
+            fast_joiner_ms=args.fast_joiner_ms,
+            loader_ms=args.loader_ms,
+            slots=args.slots,
+            replay=args.replay_mib * MIB,
+            repeats=args.repeats,
+            workers=workers,
+        )
+        print("stragglers ...")
+        stragglers = run_stragglers(
+            batches=args.straggler_batches,
+            fast_ms=args.fast_ms,
+            slow_ms=args.slow_ms,
+            loader_ms=args.loader_ms,
+            slots=args.slots,
+            max_lag=args.max_lag,
+            repeats=args.straggler_repeats,
+            workers=workers,
+        )
+    finally:
+        workers.close()
     summary = summarise(join, stragglers, config)
     print_tables(summary, config)
     result = {

@@ -87,7 +87,7 @@ def add_parser(sub: Any) -> None:
         choices=STRAGGLERS,
         default=None,
         help="stall: the slowest consumer sets the pace and every consumer sees every batch "
-        "(default); skip: a consumer lagging more than --max-lag batches behind skips ahead",
+        "(default); skip: a consumer more than --max-lag batches behind the leading one skips ahead",
     )
     p.add_argument(
         "--max-lag",

@@ -300,7 +300,7 @@ def _memory_line(s: dict[str, Any]) -> str:
     used = int(s.get("slot_bytes") or 0)
     allocated = min(places, int(s.get("published") or 0))  # a place gets memory when first used
     slots = int(s.get("slots") or window)
-    slots_text = f"{window} slots" if window == slots else f"{slots} slots + {window - slots} for skipping"
+    slots_text = f"{window} slots" if window == slots else f"{slots} slots + {window - slots} for stragglers"
     text = f"shared memory {fmt_bytes(used)} in use"
     if allocated:
         each = used / allocated
@@ -317,7 +317,7 @@ def _memory_line(s: dict[str, Any]) -> str:
 
 def _stragglers_line(s: dict[str, Any]) -> str:
     if s.get("stragglers") == "skip":
-        return f"stragglers: skip (a consumer lagging more than {s.get('max_lag')} batches skips ahead)"
+        return f"stragglers: skip (a consumer more than {s.get('max_lag')} batches behind the leader skips ahead)"
     if s.get("stragglers") == "stall":
         return "stragglers: stall (the slowest consumer sets the pace; every consumer sees every batch)"
     return "stragglers: unknown"
@@ -373,6 +373,8 @@ def format_status(
             note.append("waits for the next epoch")
         if c.get("catching_up"):
             note.append("catching up")
+        if c.get("late_join") not in (None, "replay"):
+            note.append(f"late_join={c['late_join']}")
         row = [
             str(c.get("label")),
             str(c.get("pid")),

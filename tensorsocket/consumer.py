@@ -142,6 +142,7 @@ class Consumer:
         self._taken_batches = 0
         self._taken_samples = 0
         self._waiting = 0.0
+        self._wait_started: float | None = None  # inside next() since then: a wait in progress counts
 
         self._ctx = zmq.Context.instance()
         self._socket = self._ctx.socket(zmq.DEALER)
@@ -246,11 +247,12 @@ class Consumer:
 
     def _next_for_user(self) -> Any:
         """The next batch in this consumer's batch size; StopIteration at the epoch's end."""
-        t0 = time.monotonic()
+        t0 = self._wait_started = time.monotonic()
         try:
             batch = self._next() if self._rebatcher is None else self._next_rebatched()
         finally:
             self._waiting += time.monotonic() - t0
+            self._wait_started = None
         self._taken_batches += 1
         self._taken_samples += batch_length(batch) or 0
         return batch
@@ -460,7 +462,9 @@ class Consumer:
         if self._stream_over:
             return True
         if now - state.last_stats >= _STATS_EVERY:
-            stats = (self._taken_batches, self._taken_samples, round(self._waiting, 6))
+            started = self._wait_started
+            waiting = self._waiting + (now - started if started is not None else 0.0)
+            stats = (self._taken_batches, self._taken_samples, round(waiting, 6))
             if stats != state.stats:
                 batches, samples, waiting = state.stats = stats
                 self._send(

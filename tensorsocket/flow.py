@@ -18,11 +18,13 @@ into a place nobody holds or still needs. There are ``places >= window`` places;
 beyond the window keep already-consumed batches resident, oldest overwritten first, so a
 late joiner can be sent them again (the replay buffer). The loader is never re-run.
 
-Stragglers, with ``max_lag`` set (policy ``skip``): a consumer whose lag would exceed
-``max_lag`` is moved ahead past its oldest unsent batches, which it never receives; a
-:class:`Skipped` action tells it how many, right where the gap is. Epoch markers are never
-skipped. A joiner that starts behind (a replay) is exempt until it has caught up to
-``max_lag``; meanwhile the others wait for it, as in ``stall``.
+Stragglers, with ``max_lag`` set (policy ``skip``): the window then bounds the lag of the
+*leading* consumer (the one with the least lag) instead of the slowest, and a consumer more
+than ``max_lag`` batches behind the leader is moved ahead past its oldest unsent batches,
+which it never receives; a :class:`Skipped` action tells it how many, right where the gap
+is. Epoch markers are never skipped. A joiner that starts further behind (a replay) is
+exempt until it has caught up to ``max_lag``; meanwhile the others wait for it, as in
+``stall``.
 
 Joining (per consumer, :class:`LateJoin`): at an epoch's start, or after END, every policy
 starts right there. Otherwise ``replay`` starts at the current epoch's first batch if every
@@ -120,7 +122,7 @@ class ConsumerState:
     received: int = 0  # batches sent
     skipped: int = 0  # batches jumped over (policy skip)
     finished: bool = False  # END was sent
-    catching_up: bool = False  # joined behind by more than the lag limit, not yet caught up
+    catching_up: bool = False  # joined further behind than the limit allows, not yet caught up
 
 
 class Flow:
@@ -199,8 +201,9 @@ class Flow:
             cursor = None
         state = ConsumerState(prefetch=min(prefetch, self.window), cursor=cursor, policy=policy)
         self._consumers[cid] = state
-        state.catching_up = cursor is not None and self._lag(state) > self._lag_limit()
-        return self._deliver(cid, state)
+        out = self._deliver(cid, state)
+        state.catching_up = not self._within_limit(state)
+        return out + self._settle()
 
     def leave(self, cid: Hashable) -> None:
         """A consumer left or was evicted: drop it and everything it held. Idempotent."""
@@ -210,6 +213,7 @@ class Flow:
         for slot in state.held.values():
             self._slots[slot].holders.discard(cid)
         self._trim()
+        self._settle()  # (no actions: the leader leaving only shortens the others' distance)
 
     def release(self, cid: Hashable, seqs: Iterable[int]) -> list[Action]:
         """A consumer is done with these batches. Unknown or repeated seqs are ignored."""
@@ -220,7 +224,7 @@ class Flow:
             slot = state.held.pop(seq, None)
             if slot is not None:
                 self._slots[slot].holders.discard(cid)
-        out = self._deliver(cid, state)
+        out = self._deliver(cid, state) + self._settle()
         self._trim()
         return out
 
@@ -272,14 +276,7 @@ class Flow:
         if s.state is not SlotState.FILLING:
             raise RuntimeError(f"slot {slot} was not reserved")
         s.state, s.seq = SlotState.PUBLISHED, self.next_seq
-        out = self._append(EntryKind.BATCH, slot, payload)
-        if self.max_lag is not None:
-            # A consumer still catching up never lags that far: the window waits for it.
-            for cid, state in self._consumers.items():
-                if self._lag(state) > self.max_lag:
-                    out.extend(self._skip(cid, state))
-            self._trim()
-        return out
+        return self._append(EntryKind.BATCH, slot, payload)
 
     def end_epoch(self, payload: Any) -> list[Action]:
         """Append an EPOCH_END marker; consumers waiting for a boundary start after it."""
@@ -290,7 +287,7 @@ class Flow:
         for state in self._consumers.values():
             if state.cursor is None:
                 state.cursor = self.next_seq
-        return out
+        return out + self._settle()  # the waiters are the leaders now
 
     def end_stream(self, payload: Any) -> list[Action]:
         """Append END; every consumer, including waiting ones, is sent it after its batches."""
@@ -316,6 +313,7 @@ class Flow:
         out: list[Action] = []
         for cid, state in self._consumers.items():
             out.extend(self._deliver(cid, state))
+        out.extend(self._settle())
         self._trim()
         return out
 
@@ -333,15 +331,27 @@ class Flow:
                 state.finished = True
             out.append(Deliver(cid, entry))
             state.cursor += 1
-        if state.catching_up and self._lag(state) <= self._lag_limit():
-            state.catching_up = False
         return out
 
-    def _skip(self, cid: Hashable, state: ConsumerState) -> list[Action]:
-        """Move a straggler's cursor past its oldest unsent batches until its lag is
-        ``max_lag``; the epoch markers after a skipped batch are still sent."""
+    def _settle(self) -> list[Action]:
+        """After any change: (policy skip) move consumers more than ``max_lag`` behind the
+        leader ahead; then clear ``catching_up`` for joiners now within their limit."""
         out: list[Action] = []
-        while self._lag(state) > self.max_lag:  # type: ignore[operator]
+        if self.max_lag is not None:
+            leader = self._leader_lag()
+            for cid, state in self._consumers.items():
+                if not state.catching_up and self._lag(state) - leader > self.max_lag:
+                    out.extend(self._skip(cid, state, leader + self.max_lag))
+        for state in self._consumers.values():
+            if state.catching_up and self._within_limit(state):
+                state.catching_up = False
+        return out
+
+    def _skip(self, cid: Hashable, state: ConsumerState, lag: int) -> list[Action]:
+        """Move a straggler's cursor past its oldest unsent batches until its lag is ``lag``;
+        the epoch markers after a skipped batch are still sent."""
+        out: list[Action] = []
+        while self._lag(state) > lag:
             # _deliver stopped on a batch (markers need no credit): that one is skipped.
             assert self._log[state.cursor].kind is EntryKind.BATCH  # type: ignore[index]
             state.cursor += 1  # type: ignore[operator]
@@ -358,19 +368,28 @@ class Flow:
             return 0
         return self.published - self._before[state.cursor]
 
-    def _lag_limit(self) -> int:
-        return self.window if self.max_lag is None else self.max_lag
+    def _active(self) -> list[ConsumerState]:
+        """Consumers the stream is being sent to (not waiting for a boundary, not finished)."""
+        return [c for c in self._consumers.values() if c.cursor is not None and not c.finished]
+
+    def _leader_lag(self) -> int:
+        return min((self._lag(c) for c in self._active()), default=0)
+
+    def _within_limit(self, state: ConsumerState) -> bool:
+        """stall: at most ``window`` batches behind the newest; skip: at most ``max_lag``
+        behind the leader."""
+        if self.max_lag is None:
+            return self._lag(state) <= self.window
+        return self._lag(state) - self._leader_lag() <= self.max_lag
 
     def _window_open(self) -> bool:
-        """May batch ``next_seq`` be published? Not while any consumer lags ``window`` batches
-        behind (or, catching up under skip, ``max_lag``): after it, none lags more."""
-        for state in self._consumers.values():
-            if state.cursor is None or state.finished:
-                continue
-            limit = self.max_lag if state.catching_up and self.max_lag is not None else self.window
-            if self._lag(state) >= limit:
-                return False
-        return True
+        """May batch ``next_seq`` be published? stall: not while any consumer lags ``window``
+        batches behind. skip: not while the leader does, nor while a joiner is still catching
+        up (more than ``max_lag`` behind the leader). (After the batch, none is further behind.)"""
+        active = self._active()
+        if self.max_lag is None:
+            return all(self._lag(c) < self.window for c in active)
+        return self._leader_lag() < self.window and not any(c.catching_up for c in active)
 
     def _resident(self, seq: int) -> bool:
         entry = self._log.get(seq)
@@ -427,7 +446,7 @@ class Flow:
                     assert seq in self._log, (cid, seq)
                     assert self._resident(seq), (cid, seq)
             if not c.catching_up:
-                assert self._lag(c) <= self._lag_limit(), ("lags too far", cid, c)
+                assert self._within_limit(c), ("lags too far", cid, c, self._leader_lag())
         if self._replay_open and not self.ended:
             for seq in range(self._epoch_start, self.next_seq):
                 assert self._resident(seq), ("replay window lost", seq)

@@ -165,8 +165,10 @@ class Producer:
         except TypeError:
             self.batches_per_epoch = None
         self.samples_per_epoch = _samples_per_epoch(loader)
-        # Flow checks max_lag against slots; a skipped straggler may hold a window's worth.
-        flow = Flow(window=slots, places=slots * (2 if stragglers == "skip" else 1), max_lag=max_lag)
+        # Flow checks max_lag against slots. Under skip the leader's window, a straggler's
+        # unsent batches (up to max_lag behind it) and the batches each of them holds must all
+        # fit with room to spare, or the leader would be paced by the straggler's releases.
+        flow = Flow(window=slots, places=slots * (3 if stragglers == "skip" else 1), max_lag=max_lag)
 
         self._lock_file = endpoints.lock(self.endpoint)
         sweep_stale()

@@ -134,27 +134,45 @@ class FlowMachine(RuleBasedStateMachine):
             return 0
         return sum(self.log[s].kind is BATCH for s in range(pos, self.next_seq))
 
-    def _limit(self) -> int:
-        return self.window if self.max_lag is None else self.max_lag
+    def _active(self) -> list[ConsumerModel]:
+        return [m for m in self.consumers.values() if not m.finished and self._position(m) is not None]
+
+    def _leader_lag(self) -> int:
+        return min((self._lag(m) for m in self._active()), default=0)
+
+    def _within(self, m: ConsumerModel) -> bool:
+        """stall: at most ``window`` behind the newest batch; skip: ``max_lag`` behind the leader."""
+        if self.max_lag is None:
+            return self._lag(m) <= self.window
+        return self._lag(m) - self._leader_lag() <= self.max_lag
 
     def _update_catching_up(self) -> None:
         for m in self.consumers.values():
-            if m.catching_up and self._lag(m) <= self._limit():
+            if m.catching_up and self._within(m):
                 m.catching_up = False
+
+    def _check_lags(self) -> None:
+        """After every event: nobody but a catching-up joiner is beyond its limit."""
+        for cid, m in self.consumers.items():
+            if not m.catching_up and not m.finished:
+                assert self._within(m), ("lags too far", cid, self._lag(m), self._leader_lag())
 
     def _window_blocked_by(self) -> list[Hashable]:
         blocked = []
+        leader = self._leader_lag()
         for cid, m in self.consumers.items():
             if m.finished or self._position(m) is None:
                 continue
-            limit = self.max_lag if m.catching_up and self.max_lag is not None else self.window
-            if self._lag(m) >= limit:
+            if self.max_lag is None:
+                if self._lag(m) >= self.window:
+                    blocked.append(cid)
+            elif leader >= self.window or (m.catching_up and self._lag(m) - leader >= self.max_lag):
                 blocked.append(cid)
         return blocked
 
     def _handle(self, out: list, only: Hashable | None = None) -> None:
         for d in out:
-            if only is not None:
+            if only is not None and self.max_lag is None:  # under skip, anyone may be moved ahead
                 assert d.consumer == only, ("action for a consumer not involved", d)
             m = self.consumers[d.consumer]
             assert not m.finished, ("action after END", d)
@@ -185,6 +203,7 @@ class FlowMachine(RuleBasedStateMachine):
                     event("a waiting joiner started after the boundary")
             m.stream.append((e, False))
             if e.kind is BATCH:
+                assert only is None or d.consumer == only, ("a batch for a consumer not involved", d)
                 assert e.slot is not None
                 assert self.memory.get(e.slot) == e.seq, ("sent an overwritten batch", e)
                 m.held[e.seq] = e.slot
@@ -192,6 +211,9 @@ class FlowMachine(RuleBasedStateMachine):
             elif e.kind is END:
                 m.finished = True
         self._update_catching_up()
+        self._check_lags()
+        for cid in {d.consumer for d in out if isinstance(d, Skipped)}:  # moved ahead just enough
+            assert self._lag(self.consumers[cid]) - self._leader_lag() == self.max_lag, cid
 
     def _free(self, slot: int) -> bool:
         """Never written, or its write was cancelled."""
@@ -266,23 +288,26 @@ class FlowMachine(RuleBasedStateMachine):
         else:
             event(f"join: {policy.value} waits for the next epoch")
         self.consumers[cid] = m
-        m.catching_up = m.start is not None and self._lag(m) > self._limit()
-        if m.catching_up:
-            event("join: catching up")
         out = self.flow.join(cid, prefetch, policy)
+        # Judged once it has been sent what it can take: _handle clears it if within the limit.
+        m.catching_up = True
         if self.ended:
             assert [d.entry for d in out] == [self.log[self.next_seq - 1]], out
         elif m.start is not None and m.start < self.next_seq:
-            assert out and out[0].entry.seq == m.start, ("joiner not sent its start at once", out)
+            assert out and out[0].entry.seq == m.start, ("joiner not sent its start at once", out)  # type: ignore[union-attr]
         else:
-            assert out == [], out
+            assert [d for d in out if d.consumer == cid] == [], out
         self._handle(out, only=cid)
+        if m.catching_up:
+            event("join: catching up")
 
     @rule(cid=CIDS)
     def leave(self, cid: str) -> None:
         assert self.flow is not None
         self.consumers.pop(cid, None)
         assert self.flow.leave(cid) is None  # idempotent, also for unknown consumers
+        self._update_catching_up()  # the leader may have left
+        self._check_lags()
 
     @precondition(lambda self: self.flow is not None and self.consumers)
     @rule(data=st.data())
@@ -346,9 +371,6 @@ class FlowMachine(RuleBasedStateMachine):
             out = self.flow.publish(slot, entry.payload)
             assert self.flow.next_seq == self.next_seq
             self._handle(out)
-            skipped = {d.consumer for d in out if isinstance(d, Skipped)}
-            for cid in skipped:  # moved ahead just enough, no further
-                assert self._lag(self.consumers[cid]) == self.max_lag, (cid, self.consumers[cid])
             self.flow.check()
 
     @rule()
@@ -446,7 +468,15 @@ class FlowMachine(RuleBasedStateMachine):
             for cid in list(flow.consumers):
                 out = flow.release(cid, list(flow.consumers[cid].held))
                 for d in out:
-                    assert isinstance(d, Deliver), d  # releases never skip anyone
+                    if isinstance(d, Skipped):  # under skip, a release may move the others ahead
+                        assert self.max_lag is not None
+                        for _ in range(d.count):
+                            prev = last[d.consumer]
+                            assert prev is not None, d
+                            e = self.log[prev.seq + 1]
+                            assert e.kind is BATCH, ("skipped a marker", d)
+                            last[d.consumer] = e
+                        continue
                     e = d.entry
                     assert self.log.get(e.seq) == e
                     check_next(last[d.consumer], e)
@@ -795,3 +825,59 @@ def test_bad_policy_and_places() -> None:
     with pytest.raises(ValueError):
         flow.add_places(-1)
     assert "a" not in flow.consumers
+
+
+def skips(out: list, cid: Hashable) -> int:
+    return sum(d.count for d in out if isinstance(d, Skipped) and d.consumer == cid)
+
+
+def test_skip_measures_lag_from_the_leader_and_the_window_from_the_leader() -> None:
+    flow = Flow(window=3, places=12, max_lag=1)
+    flow.join("lead", prefetch=1)
+    flow.join("slow", prefetch=1)
+    publish(flow)  # 0: both hold it
+    publish(flow)  # 1: both lag 1
+    # Nobody is behind the leader (both lag 1): no skip, though both lag max_lag behind the head.
+    _, out = publish(flow)  # 2: both lag 2
+    assert skips(out, "slow") == 0 and flow.lag("slow") == 2
+    publish(flow)  # 3: both lag 3
+    # The leader's lag reaching the window stops the producer, as in stall.
+    assert flow.reserve() is None
+    out = flow.release("lead", [0])  # lead is sent 1: lag 2; slow is 1 behind: allowed
+    assert skips(out, "slow") == 0
+    out = flow.release("lead", [1])  # lead is sent 2: lag 1; slow 2 behind: moved past 1
+    assert skips(out, "slow") == 1 and flow.lag("slow") - flow.lag("lead") == 1
+    assert flow.consumers["slow"].skipped == 1
+    flow.check()
+
+
+def test_skip_waits_for_a_joiner_until_it_is_within_max_lag_of_the_leader() -> None:
+    flow = Flow(window=4, places=12, max_lag=2)
+    flow.join("lead", prefetch=4)
+    for _ in range(6):
+        publish(flow)
+        flow.release("lead", list(flow.consumers["lead"].held))
+    flow.join("late", prefetch=1)  # replays from 0: 5 batches behind the leader
+    assert flow.consumers["late"].catching_up and flow.lag("late") == 5
+    for seq in range(2):  # 3 and then 2 behind the leader: still waited for
+        flow.release("late", [seq])
+        assert flow.reserve() is None, seq
+    flow.release("late", [2])  # 2 behind, within max_lag: no longer catching up
+    assert flow.lag("late") == 2 and not flow.consumers["late"].catching_up
+    assert flow.reserve() is not None
+    flow.check()
+
+
+def test_skip_a_waiting_consumer_that_starts_at_the_boundary_becomes_the_leader() -> None:
+    flow = Flow(window=4, places=8, max_lag=1)
+    flow.join("old", prefetch=1)
+    for _ in range(3):  # old holds 0 and is owed 1 and 2
+        publish(flow)
+    flow.join("new", prefetch=2, policy=LateJoin.NEXT_EPOCH)  # waits
+    out = flow.end_epoch("e0")  # new starts after the marker with lag 0: old is 2 behind it
+    assert skips(out, "old") == 1 and flow.consumers["old"].skipped == 1
+    assert flow.lag("old") == 1  # batch 2 is still owed, then the marker
+    flow.release("old", [0])
+    _, out = publish(flow)  # 4: new is sent it at once
+    assert sent(out, "new") == [4]
+    flow.check()
