@@ -79,8 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--batch_size",
         type=int,
         default=32,
-        help="batch size of the plain DataLoader (default: %(default)s); with --shared, batches arrive "
-        "in the producer's batch size and this is ignored",
+        help="batch size (default: %(default)s); with --shared the producer's batches are re-cut to it",
     )
     parser.add_argument(
         "--workers",
@@ -117,16 +116,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
-    model = make_model(args.classes)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = make_model(args.classes).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-4)
     loss_fn = nn.CrossEntropyLoss()
 
     if args.shared:
-        loader = Consumer()  # [tensorsocket 2/2] was: the make_loader(...) line below
+        loader = Consumer(
+            batch_size=args.batch_size
+        )  # [tensorsocket 2/2] was: the make_loader(...) line below
     else:
         loader = make_loader(args.data, batch_size=args.batch_size, num_workers=args.workers)
     source = "shared producer" if args.shared else f"DataLoader on {args.data}"
-    print(f"training on the {source} for {args.epochs} epoch(s), lr={args.lr}", flush=True)
+    print(f"training on the {source} ({device}) for {args.epochs} epoch(s), lr={args.lr}", flush=True)
 
     model.train()
     samples = counted = epochs_done = 0
@@ -140,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                     clock = time.perf_counter()
                 else:
                     counted += len(labels)
+                images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
                 optimizer.zero_grad(set_to_none=True)
                 loss = loss_fn(model(images), labels)
                 loss.backward()

@@ -305,7 +305,7 @@ class Consumer:
         if kind == _EPOCH_END:
             if self._skipped_epoch:
                 log.warning(
-                    "consumer %r skipped %d batches of epoch %d: it lagged more than the producer's max_lag",
+                    "consumer %r skipped %d batches of epoch %d: it fell more than max_lag batches behind the fastest",
                     self.label,
                     self._skipped_epoch,
                     payload,
@@ -339,8 +339,8 @@ class Consumer:
     def _note_skipped(self, count: int) -> None:
         if not self.skipped:
             log.warning(
-                "consumer %r is too slow for the producer (stragglers='skip'): it skips batches from "
-                "now on; Consumer.skipped counts them",
+                "consumer %r fell more than max_lag batches behind the fastest consumer (stragglers='skip'): "
+                "it skips batches from now on; Consumer.skipped counts them",
                 self.label,
             )
         self.skipped += count

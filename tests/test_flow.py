@@ -748,23 +748,6 @@ def test_skip_moves_a_straggler_ahead_and_counts_what_it_missed() -> None:
     assert sent(flow2.release("slow", [0])) == [7]
 
 
-def test_skip_waits_for_a_replaying_joiner_until_it_caught_up() -> None:
-    flow = Flow(window=3, places=8, max_lag=1)
-    flow.join("a", prefetch=3)
-    for _ in range(5):
-        publish(flow)
-        flow.release("a", list(flow.consumers["a"].held))
-    flow.join("b", prefetch=1)
-    assert flow.consumers["b"].cursor == 1 and flow.consumers["b"].catching_up
-    assert flow.reserve() is None  # not skipped: the others wait
-    for seq in range(4):
-        flow.release("b", [seq])
-    assert not flow.consumers["b"].catching_up and flow.lag("b") == 0
-    _, out = publish(flow)
-    assert not any(isinstance(d, Skipped) for d in out)
-    assert flow.consumers["b"].skipped == 0
-
-
 def test_now_starts_at_the_oldest_resident_batch_and_next_epoch_waits() -> None:
     flow = Flow(window=2, places=3)
     flow.join("a", prefetch=2)
