@@ -122,9 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     loss_fn = nn.CrossEntropyLoss()
 
     if args.shared:
-        loader = Consumer(
-            batch_size=args.batch_size
-        )  # [tensorsocket 2/2] was: the make_loader(...) line below
+        loader = Consumer(batch_size=args.batch_size)  # [tensorsocket 2/2] was: make_loader(...) below
     else:
         loader = make_loader(args.data, batch_size=args.batch_size, num_workers=args.workers)
     source = "shared producer" if args.shared else f"DataLoader on {args.data}"

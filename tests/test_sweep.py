@@ -261,7 +261,7 @@ def tiny_images(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_train_the_switch_is_two_marked_lines() -> None:
     source = TRAIN.read_text()
     assert source.count("[tensorsocket 1/2]") == 2 and source.count("[tensorsocket 2/2]") == 2  # + docstring
-    assert "loader = Consumer()  # [tensorsocket 2/2]" in source
+    assert "loader = Consumer(batch_size=args.batch_size)  # [tensorsocket 2/2]" in source
 
 
 def test_train_with_its_own_dataloader(tiny_images: Path) -> None:
