@@ -1,7 +1,8 @@
 """Sharing benchmark: N trainers fed by one shared JPEG pipeline vs N independent DataLoaders.
 
 Every trainer simulates a GPU step of ``--step-ms`` (a sleep: the CPU is free for loading)
-and counts samples/s from its first batch to its last. Three ways, one after the other, on
+and counts samples/s from its first batch to its last. When a GPU is present each batch is
+also copied to it first, as a real trainer's input step does. Three ways, one after the other, on
 the same machine and dataset:
 
 * ``single``: one trainer with its own DataLoader: the pipeline's own rate, the bound;
@@ -43,9 +44,13 @@ def _train(batches: Any, epochs: int, step_s: float) -> dict[str, Any]:
     start = None
     cpu0 = time.process_time()
     per_epoch = []
+    gpu = torch.cuda.is_available()
     for _ in range(epochs):
         n = 0
         for images, labels in batches:
+            if gpu:
+                images, labels = images.to("cuda", non_blocking=True), labels.to("cuda", non_blocking=True)
+                torch.cuda.synchronize()
             if start is None:  # the clock starts at the first batch: start-up is not rate
                 start = time.perf_counter()
             else:
