@@ -1,0 +1,134 @@
+"""CUDA IPC primitives for the ``cuda`` transport: device arenas and interprocess events
+that another process on the same node opens once and then uses without copies.
+
+Only the mechanics live here; which slot may be overwritten when is the flow's business.
+
+* :class:`DeviceArena` (producer): one ``cudaMalloc`` per slot, rounded up to 2 MiB so
+  that the exported handle exposes no unrelated allocation; its IPC handle is exported once.
+* :func:`open_arena` (consumer): open a handle once and get a flat ``uint8`` tensor over the
+  producer's memory (a view: no copy). The mapping is closed when the last view dies.
+* :class:`IpcEvent`: an interprocess event (``cudaEventInterprocess``, no timing). The
+  producer records ``ready[k]`` on its stream after writing slot k and a consumer's stream
+  waits on it; the consumer records ``done`` on its stream when it releases the slot and
+  the producer's stream waits on that before overwriting. No host-side synchronize.
+
+We use CuPy's thin runtime bindings (the ``gpu`` extra): torch exposes CUDA IPC only
+through its multiprocessing reductions, which tie the memory's lifetime to the sending
+tensor and reopen handles per message.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+ARENA_ALIGN = 2 << 20  # 2 MiB: cudaMalloc's granularity for large blocks
+
+
+def _runtime() -> Any:
+    try:
+        from cupy.cuda import runtime
+    except ImportError as exc:  # pragma: no cover - depends on the installation
+        raise RuntimeError(
+            "the cuda transport needs CuPy: pip install 'tensorsocket[gpu]' (cupy-cuda12x or cupy-cuda13x)"
+        ) from exc
+    return runtime
+
+
+def _as_tensor(ptr: int, nbytes: int, device: int, owner: Any) -> torch.Tensor:
+    """A flat uint8 tensor over device memory at ``ptr``; ``owner`` lives as long as it does."""
+    import cupy
+
+    memory = cupy.cuda.UnownedMemory(ptr, nbytes, owner, device_id=device)
+    array = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0))
+    return torch.from_dlpack(array)
+
+
+class DeviceArena:
+    """Producer side: one slot's device memory and its IPC handle (bytes, exported once)."""
+
+    def __init__(self, nbytes: int, device: int) -> None:
+        runtime = _runtime()
+        self.device = device
+        self.size = max(ARENA_ALIGN, -(-nbytes // ARENA_ALIGN) * ARENA_ALIGN)
+        with torch.cuda.device(device):
+            self.ptr = runtime.malloc(self.size)
+            self.handle: bytes = bytes(runtime.ipcGetMemHandle(self.ptr))
+        self.tensor = _as_tensor(self.ptr, self.size, device, self)
+        self._lock = threading.Lock()
+
+    def free(self) -> None:
+        """Free the memory. Consumers that still map it keep it alive (the driver frees it
+        when the last mapping closes), so this is safe while they hold views."""
+        with self._lock:
+            if self.ptr:
+                self.tensor = None  # type: ignore[assignment]
+                with torch.cuda.device(self.device):
+                    _runtime().free(self.ptr)
+                self.ptr = 0
+
+
+class _Mapping:
+    """Consumer side: an opened IPC handle, closed when the last tensor over it is gone."""
+
+    def __init__(self, handle: bytes, device: int) -> None:
+        runtime = _runtime()
+        self.device = device
+        with torch.cuda.device(device):
+            self.ptr = runtime.ipcOpenMemHandle(handle, runtime.cudaIpcMemLazyEnablePeerAccess)
+
+    def __del__(self) -> None:
+        ptr, self.ptr = getattr(self, "ptr", 0), 0
+        if ptr:
+            try:
+                with torch.cuda.device(self.device):
+                    _runtime().ipcCloseMemHandle(ptr)
+            except Exception:  # interpreter shutdown, or the context is gone: nothing to do
+                pass
+
+
+def open_arena(handle: bytes, size: int, device: int) -> torch.Tensor:
+    """Open a producer's arena (once per arena and process) as a flat uint8 tensor view."""
+    if len(handle) != 64:
+        raise ValueError(f"a CUDA IPC memory handle has 64 bytes, got {len(handle)}")
+    mapping = _Mapping(handle, device)
+    return _as_tensor(mapping.ptr, size, device, mapping)
+
+
+class IpcEvent:
+    """An interprocess CUDA event: create one (``handle=None``) or open another process's."""
+
+    def __init__(self, device: int, handle: bytes | None = None) -> None:
+        runtime = _runtime()
+        self.device = device
+        with torch.cuda.device(device):
+            if handle is None:
+                flags = runtime.eventDisableTiming | runtime.eventInterprocess
+                self.event = runtime.eventCreateWithFlags(flags)
+                self.handle: bytes = bytes(runtime.ipcGetEventHandle(self.event))
+            else:
+                self.event = runtime.ipcOpenEventHandle(handle)
+                self.handle = handle
+
+    def record(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Record on ``stream`` (default: the current one): it fires when the work queued
+        there so far is done."""
+        stream = stream or torch.cuda.current_stream(self.device)
+        _runtime().eventRecord(self.event, stream.cuda_stream)
+
+    def wait(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Make ``stream`` (default: the current one) wait for the last record, on the GPU."""
+        stream = stream or torch.cuda.current_stream(self.device)
+        _runtime().streamWaitEvent(stream.cuda_stream, self.event, 0)
+
+    def synchronize(self) -> None:
+        """Block the host until the last record fired (tests and shutdown only)."""
+        _runtime().eventSynchronize(self.event)
+
+    def close(self) -> None:
+        event, self.event = self.event, 0
+        if event:
+            with torch.cuda.device(self.device):
+                _runtime().eventDestroy(event)

@@ -1,0 +1,176 @@
+"""CUDA IPC primitives across real processes (GPU only; skipped without one): an arena and
+its events opened in another process, and the stream ordering that makes reuse safe - shown
+to fail when the ordering is left out, so the test can fail."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+SPAWN = mp.get_context("spawn")
+SLOTS = 2
+ROUNDS = 200
+SLOT_BYTES = 8 << 20
+
+
+def _reader(handle: bytes, size: int, ready: bytes, expected: int, out: Any) -> None:
+    from tensorsocket.transport.cuda_ipc import IpcEvent, open_arena
+
+    try:
+        arena = open_arena(handle, size, 0)
+        IpcEvent(0, ready).wait()  # on this process's current stream
+        total = int(arena.view(torch.int64).sum().item())
+        arena[:8].fill_(7)  # shared both ways
+        torch.cuda.synchronize()
+        out.put({"sum": total, "expected": expected, "size": arena.numel()})
+    except Exception as exc:
+        out.put({"error": f"{type(exc).__name__}: {exc}"})
+
+
+def test_an_arena_and_its_ready_event_are_opened_in_another_process():
+    from tensorsocket.transport.cuda_ipc import ARENA_ALIGN, DeviceArena, IpcEvent
+
+    arena = DeviceArena(3 << 20, 0)
+    assert arena.size == 2 * ARENA_ALIGN and arena.ptr % ARENA_ALIGN == 0
+    stream = torch.cuda.Stream()
+    ready = IpcEvent(0)
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(50_000_000)  # the write lands late: the reader must wait for it
+        arena.tensor.view(torch.int64).copy_(torch.arange(arena.size // 8, device="cuda"))
+        ready.record(stream)
+    n = arena.size // 8
+    expected = n * (n - 1) // 2
+    out = SPAWN.Queue()
+    child = SPAWN.Process(target=_reader, args=(arena.handle, arena.size, ready.handle, expected, out))
+    child.start()
+    report = out.get(timeout=120)
+    child.join(30)
+    assert "error" not in report, report["error"]
+    assert report["sum"] == expected and report["size"] == arena.size
+    torch.cuda.synchronize()
+    assert arena.tensor[:8].tolist() == [7] * 8  # the reader's write is visible here
+    ready.close()
+    arena.free()
+
+
+def _ordered_consumer(handles: list[bytes], ready: list[bytes], ordered: bool, conn: Any) -> None:
+    """Each round: wait for the producer's message, (ordered) make our stream wait for its
+    ready event, then a long kernel and a check of the slot's contents, all queued on our
+    stream; record done and release at once, before the check has run."""
+    from tensorsocket.transport.cuda_ipc import IpcEvent, open_arena
+
+    arenas = [open_arena(h, SLOT_BYTES, 0).view(torch.int32) for h in handles]
+    ready_events = [IpcEvent(0, h) for h in ready]
+    done = [IpcEvent(0) for _ in range(SLOTS)]
+    conn.send([d.handle for d in done])
+    stream = torch.cuda.Stream()
+    ok = torch.zeros(ROUNDS, dtype=torch.bool, device="cuda")
+    with torch.cuda.stream(stream):
+        for _ in range(ROUNDS):
+            k = conn.recv()
+            slot = k % SLOTS
+            if ordered:
+                ready_events[slot].wait(stream)
+            torch.cuda._sleep(2_000_000)  # a long training step's kernels before it reads
+            ok[k] = (arenas[slot] == k).all()
+            done[slot].record(stream)
+            conn.send(k)  # released at once: the step is still queued
+    stream.synchronize()
+    conn.send(int((~ok).sum().item()))
+
+
+@pytest.mark.parametrize("ordered", [True, False], ids=["events", "no-ordering"])
+def test_stream_ordering_keeps_overwrites_away_from_batches_still_being_read(ordered):
+    from tensorsocket.transport.cuda_ipc import DeviceArena, IpcEvent
+
+    arenas = [DeviceArena(SLOT_BYTES, 0) for _ in range(SLOTS)]
+    ready = [IpcEvent(0) for _ in range(SLOTS)]
+    mine, theirs = SPAWN.Pipe()
+    child = SPAWN.Process(
+        target=_ordered_consumer,
+        args=([a.handle for a in arenas], [r.handle for r in ready], ordered, theirs),
+    )
+    child.start()
+    try:
+        assert mine.poll(120), "the consumer did not start"
+        done = [IpcEvent(0, h) for h in mine.recv()]
+        stream = torch.cuda.Stream()
+        released = 0
+        with torch.cuda.stream(stream):
+            for k in range(ROUNDS):
+                slot = k % SLOTS
+                if k >= SLOTS:  # the slot's previous batch must have been released
+                    while released <= k - SLOTS:
+                        assert mine.poll(60), "no release"
+                        released = mine.recv() + 1
+                    if ordered:
+                        done[slot].wait(stream)  # and its readers' kernels must have run
+                arenas[slot].tensor.view(torch.int32).fill_(k)
+                ready[slot].record(stream)
+                mine.send(k)
+            while released < ROUNDS:
+                assert mine.poll(60), "no release"
+                released = mine.recv() + 1
+        assert mine.poll(120), "no result"
+        corrupted = mine.recv()
+    finally:
+        child.join(60)
+        if child.is_alive():
+            child.kill()
+    stream.synchronize()
+    if ordered:
+        assert corrupted == 0, f"{corrupted} of {ROUNDS} batches were overwritten while being read"
+    else:
+        assert corrupted > 0, "without the events the test should see corruption; it cannot tell otherwise"
+    for a in arenas:
+        a.free()
+
+
+def _doomed_consumer(ready: bytes, conn: Any) -> None:
+    """Queue a long kernel, record ``done`` behind it, say so, and die before it runs."""
+    import os
+    import signal
+
+    from tensorsocket.transport.cuda_ipc import IpcEvent
+
+    done = IpcEvent(0)
+    IpcEvent(0, ready).wait()
+    torch.cuda._sleep(3_000_000_000)  # ~2 s of GPU time queued ahead of the record
+    done.record()
+    conn.send(done.handle)
+    conn.recv()  # the producer has opened the handle
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_consumer_killed_with_its_done_event_pending_does_not_hang_the_producer():
+    """What the producer may rely on when a consumer dies after releasing: a stream waiting
+    on that consumer's pending ``done`` event still makes progress (the driver tears the dead
+    context's work down) within a bounded time."""
+    import time
+
+    from tensorsocket.transport.cuda_ipc import IpcEvent
+
+    ready = IpcEvent(0)
+    ready.record()
+    mine, theirs = SPAWN.Pipe()
+    child = SPAWN.Process(target=_doomed_consumer, args=(ready.handle, theirs))
+    child.start()
+    assert mine.poll(120), "the consumer did not start"
+    done = IpcEvent(0, mine.recv())
+    mine.send("opened")
+    child.join(60)
+    assert child.exitcode == -9
+    stream = torch.cuda.Stream()
+    marker = torch.cuda.Event()
+    with torch.cuda.stream(stream):
+        done.wait(stream)
+        marker.record(stream)
+    t0 = time.monotonic()
+    while not marker.query():
+        assert time.monotonic() - t0 < 30, "a stream waiting on a dead consumer's event never moved on"
+        time.sleep(0.01)
+    print(f"stream moved on {time.monotonic() - t0:.3f} s after the consumer's death")
