@@ -146,10 +146,13 @@ def _doomed_consumer(ready: bytes, conn: Any) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def test_a_consumer_killed_with_its_done_event_pending_does_not_hang_the_producer():
-    """What the producer may rely on when a consumer dies after releasing: a stream waiting
-    on that consumer's pending ``done`` event still makes progress (the driver tears the dead
-    context's work down) within a bounded time."""
+def test_a_dead_consumers_pending_done_event_never_fires():
+    """A fact the cuda transport's design rests on (seen on an H100, driver 580): a stream
+    made to wait on an interprocess event whose recording process died before reaching the
+    record never moves on. So the producer must never queue a wait on a consumer's ``done``
+    event: the consumer's I/O thread waits for its own event, off the training thread, and
+    only then sends RELEASE; a consumer that dies before that simply never releases, and the
+    flow drops its holds. If this test starts failing, the driver changed the rule."""
     import time
 
     from tensorsocket.transport.cuda_ipc import IpcEvent
@@ -169,8 +172,7 @@ def test_a_consumer_killed_with_its_done_event_pending_does_not_hang_the_produce
     with torch.cuda.stream(stream):
         done.wait(stream)
         marker.record(stream)
-    t0 = time.monotonic()
-    while not marker.query():
-        assert time.monotonic() - t0 < 30, "a stream waiting on a dead consumer's event never moved on"
+    deadline = time.monotonic() + 5  # the dead consumer's kernel alone would take ~2 s
+    while time.monotonic() < deadline and not marker.query():
         time.sleep(0.01)
-    print(f"stream moved on {time.monotonic() - t0:.3f} s after the consumer's death")
+    assert not marker.query(), "the stream moved on: the driver now completes a dead process's events"

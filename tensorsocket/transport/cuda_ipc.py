@@ -9,8 +9,12 @@ Only the mechanics live here; which slot may be overwritten when is the flow's b
   producer's memory (a view: no copy). The mapping is closed when the last view dies.
 * :class:`IpcEvent`: an interprocess event (``cudaEventInterprocess``, no timing). The
   producer records ``ready[k]`` on its stream after writing slot k and a consumer's stream
-  waits on it; the consumer records ``done`` on its stream when it releases the slot and
-  the producer's stream waits on that before overwriting. No host-side synchronize.
+  waits on it; the consumer records ``done`` on its stream when it releases the slot.
+  Measured on an H100 (``tests/test_cuda_ipc.py``): a stream waiting on an interprocess
+  event whose process died before reaching the record never moves on. So the producer must
+  never queue a wait on a consumer's ``done``: the consumer's I/O thread waits for its own
+  ``done`` (off the training thread) before it sends RELEASE, and a consumer that dies
+  first never releases (the flow drops its holds).
 
 We use CuPy's thin runtime bindings (the ``gpu`` extra): torch exposes CUDA IPC only
 through its multiprocessing reductions, which tie the memory's lifetime to the sending
