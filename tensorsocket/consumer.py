@@ -117,7 +117,7 @@ class Consumer:
 
         self._queue: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._released: collections.deque[tuple[int, Any, int, int | None, int, int]] = collections.deque()
-        # seqs built and not yet dropped by the user (set.add / discard / len are atomic
+        # seqs handed out by next() and not yet dropped (set.add / discard / len are atomic
         # under the GIL, so finalizers in any thread may change it without a lock)
         self._live: set[int] = set()
         self._wakeup = Wakeup()
@@ -289,7 +289,10 @@ class Consumer:
             if self._error is not None:  # evicted while this batch waited in the queue
                 raise self._error
             self._mid_epoch = True
-            batch, epoch, index = payload
+            batch, epoch, index, seq = payload
+            # Counted as held from here (not when built): the hoarding check must not count a
+            # batch the I/O thread is still building or queueing.
+            self._live.add(seq)
             if self._first_batch:
                 self._first_batch = False
                 if index:
@@ -463,7 +466,7 @@ class Consumer:
             return True
         if now - state.last_stats >= _STATS_EVERY:
             started = self._wait_started
-            waiting = self._waiting + (now - started if started is not None else 0.0)
+            waiting = self._waiting + (max(0.0, now - started) if started is not None else 0.0)
             stats = (self._taken_batches, self._taken_samples, round(waiting, 6))
             if stats != state.stats:
                 batches, samples, waiting = state.stats = stats
@@ -502,7 +505,7 @@ class Consumer:
             try:
                 kind, msg = protocol.decode(frame, protocol.MAX_REPLY_BYTES)
                 if kind is Kind.BATCH:
-                    self._queue.put((_BATCH, (self._build(msg), msg["epoch"], msg["index"])))
+                    self._queue.put((_BATCH, (self._build(msg), msg["epoch"], msg["index"], msg["seq"])))
                 elif kind is Kind.SKIPPED:
                     self._queue.put((_SKIPPED, msg["count"]))
                 elif kind is Kind.ARENA:
@@ -544,7 +547,6 @@ class Consumer:
         nbytes = msg["layout"][2]
         region = self._arenas.region(slot, nbytes)
         seq = msg["seq"]
-        self._live.add(seq)
         # The finalizer keeps the mapping (not the region) so the release check reads the
         # very memory this batch lived in.
         release = weakref.finalize(
