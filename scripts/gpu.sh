@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# On a GPU machine, in one call: the GPU test suite, then GPU smoke runs; everything lands in
-# $OUT (default ./gpu-results): the GPU's name, the test log and JUnit XML, the demo's output.
+# On a GPU machine, in one call: the GPU test suite, the CUDA IPC benchmark and a GPU demo run;
+# everything lands in $OUT (default ./gpu-results): the GPU's name, the test log and JUnit XML,
+# the benchmark's JSON, the demo's output.
 # Wheels for what the machine lacks (pyzmq) may be put in .whl/ (see the device notes).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,5 +15,7 @@ export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.csv"
 status=0
 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ --junitxml="$OUT/gpu-tests.xml" 2>&1 | tee "$OUT/gpu-tests.log" || status=1
+python3 -m benchmarks.cuda_ipc 2>&1 | tee "$OUT/cuda_ipc.log" || status=1
+cp benchmarks/results/cuda_ipc-*.json "$OUT/" 2>/dev/null
 python3 scripts/demo.py --images 256 --epochs 1 2>&1 | tail -12 | tee "$OUT/demo.log" || status=1
 exit $status
