@@ -45,6 +45,7 @@ Invariants (checked by :meth:`Flow.check`):
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
@@ -142,6 +143,12 @@ class Flow:
         self.window = window
         self.max_lag = max_lag
         self._slots = [_Slot() for _ in range(places)]
+        # For O(1) reserve and trim with thousands of replay places: never-used (or cancelled)
+        # places, published places in seq order, and the first seq of the resident suffix
+        # (only reserve() overwrites a batch, so it only ever moves forward).
+        self._free = list(range(places - 1, -1, -1))  # popped from the end: lowest index first
+        self._published: collections.deque[int] = collections.deque()
+        self._replay_from = 0
         self._log: dict[int, Entry] = {}
         self._before: dict[int, int] = {}  # seq -> batches published before it
         self._consumers: dict[Hashable, ConsumerState] = {}
@@ -234,7 +241,9 @@ class Flow:
         """More places (the producer sizes its replay buffer once it knows a batch's bytes)."""
         if type(n) is not int or n < 0:
             raise ValueError(f"n must be a non-negative int, got {n!r}")
+        first = len(self._slots)
         self._slots.extend(_Slot() for _ in range(n))
+        self._free[:0] = range(first + n - 1, first - 1, -1)  # after the existing free ones
 
     def reserve(self) -> int | None:
         """Pick a place to write the next batch into, or None while the window is full or
@@ -247,19 +256,28 @@ class Flow:
             raise RuntimeError("the stream has ended; nothing more can be published")
         if not self._window_open():
             return None
-        best: int | None = None
-        for i, s in enumerate(self._slots):
-            if s.state is SlotState.FREE:
-                best = i
-                break
-            if s.state is SlotState.PUBLISHED and self._reusable(s):
-                if best is None or s.seq < self._slots[best].seq:  # type: ignore[operator]
-                    best = i
-        if best is not None:
-            slot = self._slots[best]
-            if slot.seq is not None and slot.seq >= self._epoch_start:
+        if self._free:
+            best = self._free.pop()
+        else:
+            cursors = [c.cursor for c in self._consumers.values() if c.cursor is not None]
+            needed_from = min(cursors, default=self.next_seq)  # batches from here are still owed
+            best = None
+            for i, place in enumerate(self._published):
+                seq = self._slots[place].seq
+                if seq >= needed_from:  # type: ignore[operator]
+                    break  # in seq order: every later one is owed too
+                if not self._slots[place].holders:
+                    best = place
+                    del self._published[i]
+                    break
+            if best is None:
+                return None
+        slot = self._slots[best]
+        if slot.seq is not None:
+            self._replay_from = max(self._replay_from, slot.seq + 1)
+            if slot.seq >= self._epoch_start:
                 self._replay_open = False
-            slot.state, slot.seq = SlotState.FILLING, None
+        slot.state, slot.seq = SlotState.FILLING, None
         return best
 
     def cancel(self, slot: int) -> None:
@@ -268,6 +286,7 @@ class Flow:
         if s.state is not SlotState.FILLING:
             raise RuntimeError(f"slot {slot} is not being filled")
         s.state = SlotState.FREE
+        self._free.append(slot)
 
     def publish(self, slot: int, payload: Any) -> list[Action]:
         """The reserved ``slot`` now holds batch ``next_seq``; send it to whoever may take it,
@@ -276,6 +295,7 @@ class Flow:
         if s.state is not SlotState.FILLING:
             raise RuntimeError(f"slot {slot} was not reserved")
         s.state, s.seq = SlotState.PUBLISHED, self.next_seq
+        self._published.append(slot)
         return self._append(EntryKind.BATCH, slot, payload)
 
     def end_epoch(self, payload: Any) -> list[Action]:
@@ -400,18 +420,7 @@ class Flow:
 
     def _oldest_replayable(self) -> int:
         """The smallest seq from which every entry up to the newest is still resident."""
-        oldest = self.next_seq
-        for seq in reversed(self._log):
-            if seq != oldest - 1 or not self._resident(seq):
-                break
-            oldest = seq
-        return oldest
-
-    def _reusable(self, slot: _Slot) -> bool:
-        return not slot.holders and all(
-            c.cursor is None or c.cursor > slot.seq  # type: ignore[operator]
-            for c in self._consumers.values()
-        )
+        return min(self._replay_from, self.next_seq)
 
     def _trim(self) -> None:
         """Forget log entries no consumer can still be sent and no joiner can replay.
@@ -453,3 +462,11 @@ class Flow:
         batches = sum(e.kind is EntryKind.BATCH for e in self._log.values())
         assert batches <= len(self._slots), ("log holds non-resident batches", batches)
         assert set(self._before) == set(self._log)
+        assert sorted(self._free) == [i for i, x in enumerate(self._slots) if x.state is SlotState.FREE]
+        seqs = [self._slots[i].seq for i in self._published]
+        assert seqs == sorted(seqs) and len(set(self._published)) == len(self._published)
+        assert set(self._published) == {
+            i for i, x in enumerate(self._slots) if x.state is SlotState.PUBLISHED
+        }
+        for seq in range(self._oldest_replayable(), self.next_seq):
+            assert self._resident(seq), ("not resident", seq)
