@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import os
-import platform
 import queue
 import statistics
 import threading
@@ -42,7 +40,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.sharing import SPAWN, write
+from benchmarks.sharing import SPAWN, machine, write
 
 STRIDE = 10_000  # batch value = epoch * STRIDE + index
 BATCH_SIZE = 32
@@ -892,13 +890,7 @@ def main() -> None:
     result = {
         "benchmark": "membership",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": {
-            "host": platform.node(),
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "platform": platform.platform(),
-        },
+        "machine": machine(),
         "config": config,
         "summary": summary,
         "runs": {"late_join": join, "stragglers": stragglers},

@@ -174,13 +174,7 @@ def run(
     return {
         "benchmark": "sharing",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": {
-            "host": platform.node(),
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "platform": platform.platform(),
-        },
+        "machine": machine(),
         "config": {
             "trainers": trainers,
             "step_ms": step_ms,
@@ -192,6 +186,17 @@ def run(
         },
         "per_trainer_samples_per_s": summary,
         "runs": result,
+    }
+
+
+def machine() -> dict[str, Any]:
+    """The environment a benchmark ran in, for its JSON."""
+    return {
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
     }
 
 

@@ -209,7 +209,7 @@ class Flow:
         state = ConsumerState(prefetch=min(prefetch, self.window), cursor=cursor, policy=policy)
         self._consumers[cid] = state
         out = self._deliver(cid, state)
-        state.catching_up = not self._within_limit(state)
+        state.catching_up = not self._within_limit(state, self._leader_lag())
         return out + self._settle()
 
     def leave(self, cid: Hashable) -> None:
@@ -357,13 +357,15 @@ class Flow:
         """After any change: (policy skip) move consumers more than ``max_lag`` behind the
         leader ahead; then clear ``catching_up`` for joiners now within their limit."""
         out: list[Action] = []
-        if self.max_lag is not None:
-            leader = self._leader_lag()
+        if self.max_lag is None:  # stall: lags are measured from the newest batch, no leader
+            leader = 0
+        else:
+            leader = self._leader_lag()  # skips leave the skipped behind the leader: it stays
             for cid, state in self._consumers.items():
                 if not state.catching_up and self._lag(state) - leader > self.max_lag:
                     out.extend(self._skip(cid, state, leader + self.max_lag))
         for state in self._consumers.values():
-            if state.catching_up and self._within_limit(state):
+            if state.catching_up and self._within_limit(state, leader):
                 state.catching_up = False
         return out
 
@@ -395,12 +397,12 @@ class Flow:
     def _leader_lag(self) -> int:
         return min((self._lag(c) for c in self._active()), default=0)
 
-    def _within_limit(self, state: ConsumerState) -> bool:
+    def _within_limit(self, state: ConsumerState, leader: int) -> bool:
         """stall: at most ``window`` batches behind the newest; skip: at most ``max_lag``
-        behind the leader."""
+        behind the leader (whose lag is ``leader``)."""
         if self.max_lag is None:
             return self._lag(state) <= self.window
-        return self._lag(state) - self._leader_lag() <= self.max_lag
+        return self._lag(state) - leader <= self.max_lag
 
     def _window_open(self) -> bool:
         """May batch ``next_seq`` be published? stall: not while any consumer lags ``window``
@@ -455,7 +457,7 @@ class Flow:
                     assert seq in self._log, (cid, seq)
                     assert self._resident(seq), (cid, seq)
             if not c.catching_up:
-                assert self._within_limit(c), ("lags too far", cid, c, self._leader_lag())
+                assert self._within_limit(c, self._leader_lag()), ("lags too far", cid, c, self._leader_lag())
         if self._replay_open and not self.ended:
             for seq in range(self._epoch_start, self.next_seq):
                 assert self._resident(seq), ("replay window lost", seq)

@@ -46,7 +46,7 @@ class _Closed(TensorSocketError):
 _TICK = 0.05  # seconds between liveness checks in the I/O loop
 _MAX_HEARTBEAT = 1.0
 _RATE_WINDOW = 5.0  # seconds of STATS reports a consumer's rate is computed over
-_MAX_REPLAY_BATCHES = 4096  # more places than this would make every reserve() slow
+_MAX_REPLAY_BATCHES = 4096  # each place is a segment every consumer maps: bound their number
 STRAGGLERS = ("stall", "skip")
 
 
