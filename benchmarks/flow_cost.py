@@ -2,13 +2,16 @@
 consumer, 8 consumers, for 16, 512 and 4104 places (the most a producer makes). The flow runs
 under the producer's lock, so this is time its I/O thread and publisher cannot overlap.
 
-    python -m benchmarks.flow_cost
+    python -m benchmarks.flow_cost [--label after]   # writes benchmarks/results/flow_cost-<label>-<host>-<date>.json
 """
 
 from __future__ import annotations
 
+import argparse
 import time
+from datetime import datetime, timezone
 
+from benchmarks.sharing import machine, write
 from tensorsocket.flow import Flow
 
 
@@ -27,8 +30,22 @@ def per_batch_us(places: int, consumers: int = 8, batches: int = 3000) -> float:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--label", default="current", help="names the result file (e.g. the commit measured)")
+    label = parser.parse_args().label
+    figures = {}
     for places in (16, 512, 4104):
-        print(f"{places:5d} places: {per_batch_us(places):7.1f} us per batch (8 consumers)")
+        figures[places] = round(per_batch_us(places), 1)
+        print(f"{places:5d} places: {figures[places]:7.1f} us per batch (8 consumers)")
+    result = {
+        "benchmark": "flow_cost",
+        "label": label,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "config": {"consumers": 8, "window": 8, "batches": 3000},
+        "us_per_batch_by_places": figures,
+    }
+    print(f"wrote {write(result, f'flow_cost-{label}')}")
 
 
 if __name__ == "__main__":
