@@ -22,6 +22,7 @@ setup(
     entry_points={"console_scripts": ["tensorsocket = tensorsocket.cli:main"]},
     extras_require={
         "gpu": ["cupy-cuda12x>=13", "nvidia-ml-py>=12"],
+        "bench": ["matplotlib>=3.7"],
         "dev": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.100", "ruff>=0.5", "psutil>=5.9"],
     },
 )

@@ -1,0 +1,729 @@
+"""N trainers on one machine: N independent DataLoaders vs tensorsocket vs PyPI tensorsocket 0.0.5.
+
+One invocation runs every system at every N (default 1, 2, 4, 8) on the same machine, the
+same dataset and the same pipeline (``producer.imagefolder``: Pillow JPEG decode, random
+resized crop, flip, normalise; batch 32, 224x224; ``--workers`` loader processes per
+DataLoader), one run after the other:
+
+* ``independent``: N trainers, each with its own DataLoader (the status quo);
+* ``tensorsocket``: this repository; one producer runs the DataLoader, N consumers;
+* ``tensorsocket-0.0.5``: the PyPI package, installed by this script into its own virtual
+  environment (``data/upstream-tensorsocket-0.0.5``), which sees the same torch as this one
+  through a ``.pth`` file, so both packages run on one torch build.
+
+Each trainer simulates a training step of ``--step-ms`` (a sleep: the CPU stays free for
+loading; on a GPU machine each batch is also copied to the GPU first). For every run it
+records per-trainer samples/s (from each trainer's first batch to its last), the CPU seconds
+of every process of the run (loader workers included: this process is their subreaper),
+the peak memory of all of them together (RSS, and PSS, which counts shared pages once), the
+GPU memory in use when nvidia-ml-py is there, and whether every trainer got every batch of
+every epoch exactly once (shared systems: the same batches, in the same order, in every
+trainer). A run that is not done after ``--timeout`` seconds is killed and reported as
+stalled, with what each trainer had got by then.
+
+    python -m benchmarks.compare            # or: bash scripts/bench.sh
+    # -> benchmarks/results/<machine>-<date>.json and .png, and a table for the README
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import math
+import os
+import platform
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from benchmarks.sharing import machine
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+ROLES = ROOT / "benchmarks" / "compare_roles.py"
+SYSTEMS = ("independent", "tensorsocket", "tensorsocket-0.0.5")
+UPSTREAM = "tensorsocket-0.0.5"
+LOADER_ALONE = "loader-alone"  # one DataLoader drained with no training step: the pipeline's own rate
+BATCH = 32
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+# --------------------------------------------------------------------------- the upstream environment
+
+
+def upstream_python(venv: Path, wheels: Path | None = None, log: Any = print) -> tuple[Path | None, str]:
+    """Create (once) a virtual environment holding PyPI tensorsocket 0.0.5; return its Python.
+
+    The environment gets only ``tensorsocket==0.0.5`` and ``tornado`` (its one dependency that
+    this environment lacks); a ``.pth`` file puts this environment's site-packages after its
+    own, so torch, pyzmq, NumPy and Pillow are the very same builds for all three systems, and
+    a CUDA torch is never downloaded again. ``wheels``: install from that folder, offline.
+    Returns ``(None, why)`` when it cannot be set up: the table then says so.
+    """
+    python = venv / "bin" / "python"
+    probe = "import tensorsocket, zmq, tornado, torch; print(tensorsocket.__version__, tensorsocket.__file__)"
+
+    def check() -> str | None:
+        done = subprocess.run([str(python), "-c", probe], cwd=venv, capture_output=True, text=True)
+        words = done.stdout.split()
+        if done.returncode == 0 and words[:1] == ["0.0.5"] and Path(words[1]).is_relative_to(venv):
+            return None
+        return (done.stderr.strip().splitlines() or [done.stdout.strip()])[-1]
+
+    if python.exists() and check() is None:
+        return python, "reused"
+    log(f"installing PyPI tensorsocket 0.0.5 into {venv} ...")
+    shutil.rmtree(venv, ignore_errors=True)
+    try:
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True)
+        site = subprocess.run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        ours = [p for p in sys.path if p.endswith("site-packages") and Path(p).is_dir()]
+        Path(site, "zz-host-environment.pth").write_text("\n".join(ours) + "\n")
+        source = ["--no-index", "--find-links", str(wheels)] if wheels else []
+        subprocess.run(
+            [
+                str(python),
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--no-deps",
+                *source,
+                "tensorsocket==0.0.5",
+                "tornado>=6",
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+    except subprocess.CalledProcessError as exc:
+        return None, f"could not install it: {(exc.stderr or '').strip().splitlines()[-1:]}"
+    problem = check()
+    return (None, f"installed but does not import: {problem}") if problem else (python, "installed")
+
+
+# --------------------------------------------------------------------------- watching a run's processes
+
+
+def _children_of(root: int) -> list[int]:
+    """Every live descendant of ``root`` (from /proc)."""
+    parent: dict[int, int] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                stat = Path(entry.path, "stat").read_text()
+            except OSError:
+                continue
+            parent[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [root]
+    while frontier:
+        pid = frontier.pop()
+        kids = [p for p, pp in parent.items() if pp == pid]
+        found += kids
+        frontier += kids
+    return found
+
+
+def _memory_kib(pid: int) -> tuple[int, int]:
+    """(RSS, PSS) of one process in KiB; zeros if it is gone."""
+    rss = pss = 0
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Rss:"):
+                rss = int(line.split()[1])
+            elif line.startswith("Pss:"):
+                pss = int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return rss, pss
+
+
+class Watcher(threading.Thread):
+    """Samples the total memory of this process's descendants (and the GPU's) until stopped."""
+
+    def __init__(self, interval: float = 0.5, memory_cap_kib: int | None = None) -> None:
+        super().__init__(daemon=True)
+        self.interval = interval
+        self.memory_cap_kib = memory_cap_kib
+        self.peak_rss_kib = self.peak_pss_kib = 0
+        self.over_cap = False
+        self.gpu_base_mib: float | None = None
+        self.peak_gpu_mib: float | None = None
+        self._halt = threading.Event()
+        self._gpu = _nvml_handle()
+        if self._gpu is not None:
+            self.gpu_base_mib = self._gpu_used()
+
+    def _gpu_used(self) -> float:
+        import pynvml
+
+        return pynvml.nvmlDeviceGetMemoryInfo(self._gpu).used / 2**20
+
+    def run(self) -> None:
+        me = os.getpid()
+        while not self._halt.wait(self.interval):
+            rss = pss = 0
+            for pid in _children_of(me):
+                r, p = _memory_kib(pid)
+                rss, pss = rss + r, pss + p
+            self.peak_rss_kib = max(self.peak_rss_kib, rss)
+            self.peak_pss_kib = max(self.peak_pss_kib, pss)
+            if self.memory_cap_kib and pss > self.memory_cap_kib:
+                self.over_cap = True
+            if self._gpu is not None:
+                self.peak_gpu_mib = max(self.peak_gpu_mib or 0.0, self._gpu_used())
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join()
+
+
+def _nvml_handle() -> Any:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml.nvmlDeviceGetHandleByIndex(0)
+    except Exception:  # no nvidia-ml-py, no driver or no GPU: no GPU figures
+        return None
+
+
+def _free_port_block(count: int = 4) -> int:
+    """A first port such that ``count`` consecutive ports are free now."""
+    for _ in range(200):
+        base = 20000 + int.from_bytes(os.urandom(2), "big") % 30000
+        socks = []
+        try:
+            for port in range(base, base + count):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no block of free ports found")
+
+
+# --------------------------------------------------------------------------- one run
+
+
+def _launch(
+    python: Path | str, role: str, report: Path, log: Path, extra: list[str], cwd: Path
+) -> subprocess.Popen:
+    command = [str(python), str(ROLES), role, "--report", str(report), *extra]
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            command, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _reap_orphans(deadline_s: float = 10.0) -> None:
+    """Wait for descendants re-parented to us (we are their subreaper) so their CPU time counts."""
+    end = time.monotonic() + deadline_s
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            if time.monotonic() > end:
+                for left in _children_of(os.getpid()):
+                    try:
+                        os.kill(left, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                end = time.monotonic() + deadline_s
+            time.sleep(0.05)
+
+
+def run_once(
+    system: str, trainers: int, cfg: dict[str, Any], upstream: Path | None, rundir: Path
+) -> dict[str, Any]:
+    """Run one system with ``trainers`` trainers; return its figures."""
+    rundir.mkdir(parents=True, exist_ok=True)
+    common = ["--data", cfg["data"], "--workers", str(cfg["workers"]), "--epochs", str(cfg["epochs"])]
+    step_ms = 0 if system == LOADER_ALONE else cfg["step_ms"]
+    common += ["--step-ms", str(step_ms), "--trainers", str(trainers)]
+    python: Path | str = sys.executable
+    if system in ("independent", LOADER_ALONE):
+        plan = [("loader-trainer", i) for i in range(trainers)]
+        extra: list[str] = []
+    elif system == "tensorsocket":
+        plan = [("ts-producer", None)] + [("ts-trainer", i) for i in range(trainers)]
+        extra = ["--name", f"compare-{uuid.uuid4().hex[:8]}"]
+    else:
+        assert upstream is not None
+        python = upstream
+        plan = [("up-producer", None)] + [("up-trainer", i) for i in range(trainers)]
+        extra = [
+            "--port",
+            str(_free_port_block()),
+            "--producer-batch-size",
+            str(cfg["upstream_producer_batch_size"]),
+        ]
+    cwd = rundir  # outside the package tree, so a local tensorsocket/ never shadows the installed one
+    usage0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    watcher = Watcher(memory_cap_kib=cfg["memory_cap_kib"])
+    watcher.start()
+    started = time.perf_counter()
+    procs, reports = [], []
+    for role, rank in plan:
+        name = role if rank is None else f"{role}-{rank}"
+        report = rundir / f"{name}.json"
+        reports.append(report)
+        args = [*common, *extra] + ([] if rank is None else ["--rank", str(rank)])
+        procs.append(_launch(python, role, report, rundir / f"{name}.log", args, cwd))
+    stalled = over_cap = False
+    deadline = started + cfg["timeout"]
+    while any(p.poll() is None for p in procs):
+        if time.perf_counter() > deadline:
+            stalled = True
+            break
+        if watcher.over_cap:
+            over_cap = True
+            break
+        time.sleep(0.1)
+    wall = time.perf_counter() - started
+    _kill(procs)
+    for p in procs:
+        p.wait()
+    _reap_orphans()
+    watcher.stop()
+    usage1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (usage1.ru_utime - usage0.ru_utime) + (usage1.ru_stime - usage0.ru_stime)
+
+    loaded = []
+    for (role, rank), path, proc in zip(plan, reports, procs, strict=True):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            data = {"complete": False}
+        data.update(role=role, rank=rank, returncode=proc.returncode, log=str(rundir / f"{path.stem}.log"))
+        loaded.append(data)
+    return _judge(system, trainers, cfg, loaded, stalled, over_cap, wall, cpu, watcher)
+
+
+def _judge(
+    system: str,
+    trainers: int,
+    cfg: dict[str, Any],
+    reports: list[dict[str, Any]],
+    stalled: bool,
+    over_cap: bool,
+    wall: float,
+    cpu: float,
+    watcher: Watcher,
+) -> dict[str, Any]:
+    """Turn the processes' reports into one run's figures and verdicts."""
+    expected_batches = math.ceil(cfg["images"] / BATCH)
+    epochs = cfg["epochs"]
+    trainer_reports = [r for r in reports if not r.get("producer") and r["role"].endswith("trainer")]
+    problems: list[str] = []
+    if stalled:
+        problems.append(f"stalled: not done after {cfg['timeout']:.0f} s, killed")
+    if over_cap:
+        problems.append(f"stopped: its processes used more than {cfg['memory_cap_kib'] // 2**20} GiB")
+    for r in reports:
+        killed_by_us = r["returncode"] == -signal.SIGKILL and (stalled or over_cap)
+        if r["returncode"] != 0 and not killed_by_us:
+            who = r["role"] if r["rank"] is None else f"{r['role']} {r['rank']}"
+            problems.append(f"{who} exited with {r['returncode']} (log: {r['log']})")
+    delivered = [sum(r.get("samples_per_epoch", [])) for r in trainer_reports]
+    # A trainer that finished: samples/s from its first batch to its last. One that did not:
+    # what it got over the whole time it was given, so a stall counts against the rate.
+    rates = [
+        r.get("samples_per_s", 0.0) if r.get("complete") else got / wall
+        for r, got in zip(trainer_reports, delivered, strict=True)
+    ]
+    exact = True
+    for r in trainer_reports:
+        batches = r.get("batches_per_epoch", [])
+        if not r.get("complete") or batches != [expected_batches] * epochs:
+            exact = False
+        if r.get("samples_per_epoch") != [cfg["images"]] * epochs:
+            exact = False
+        for prints in r.get("fingerprints", []):
+            if len(set(prints)) != len(prints):
+                exact = False
+                problems.append(f"trainer {r['rank']} got a batch twice in one epoch")
+                break
+    if system != "independent" and trainer_reports:
+        sequences = {json.dumps(r.get("fingerprints")) for r in trainer_reports}
+        if len(sequences) > 1:
+            exact = False
+            problems.append("trainers of one shared run did not get the same batches")
+    if not exact and delivered and max(delivered) < cfg["images"] * epochs and not (stalled or over_cap):
+        problems.append(
+            f"delivered {min(delivered)}-{max(delivered)} of {cfg['images'] * epochs} samples per trainer"
+        )
+    for r in trainer_reports:
+        r.pop("fingerprints", None)  # kept out of the JSON: only their agreement matters
+    return {
+        "system": system,
+        "trainers": trainers,
+        "per_trainer_samples_per_s": round(sum(rates) / len(rates), 1) if rates else 0.0,
+        "min_trainer_samples_per_s": round(min(rates), 1) if rates else 0.0,
+        "exact": exact and not problems,
+        "stalled": stalled,
+        "problems": problems,
+        "delivered_samples_per_trainer": delivered,
+        "expected_samples_per_trainer": cfg["images"] * epochs,
+        "wall_s": round(wall, 2),
+        "cpu_s": round(cpu, 2),
+        "peak_rss_mib": round(watcher.peak_rss_kib / 1024, 1),
+        "peak_pss_mib": round(watcher.peak_pss_kib / 1024, 1),
+        "peak_gpu_mib_over_idle": (
+            None
+            if watcher.peak_gpu_mib is None
+            else round(watcher.peak_gpu_mib - (watcher.gpu_base_mib or 0), 1)
+        ),
+        "processes": reports,
+    }
+
+
+# --------------------------------------------------------------------------- the whole benchmark
+
+
+def run(
+    counts: tuple[int, ...] = (1, 2, 4, 8),
+    systems: tuple[str, ...] = SYSTEMS,
+    step_ms: float = 10.0,
+    images: int = 1024,
+    epochs: int = 2,
+    workers: int = 2,
+    timeout: float = 180.0,
+    cpus: int | None = None,
+    upstream_venv: Path | None = None,
+    upstream_wheels: Path | None = None,
+    upstream_producer_batch_size: int = 2,
+    log: Any = print,
+) -> dict[str, Any]:
+    """Run every system at every count; return every figure and the environment as a dict."""
+    from producer.imagefolder import make_dataset
+
+    try:  # descendants whose parent was killed come to us, so their CPU time is counted
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        log("note: could not become a subreaper; CPU time of orphaned loader workers may be missed")
+    if cpus:
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:cpus])  # every process inherits it
+    data = ROOT / "data" / f"jpeg-{images}"
+    root = str(make_dataset(data, count=images))
+    upstream, upstream_note = None, "not asked for"
+    if UPSTREAM in systems:
+        upstream, upstream_note = upstream_python(
+            upstream_venv or ROOT / "data" / "upstream-tensorsocket-0.0.5", upstream_wheels, log
+        )
+        log(f"PyPI tensorsocket 0.0.5: {upstream_note}")
+    avail_kib = _available_kib()
+    cfg = {
+        "data": root,
+        "images": images,
+        "epochs": epochs,
+        "workers": workers,
+        "step_ms": step_ms,
+        "timeout": timeout,
+        "upstream_producer_batch_size": upstream_producer_batch_size,
+        "memory_cap_kib": int(avail_kib * 0.8) if avail_kib else None,
+    }
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    runs: list[dict[str, Any]] = []
+    plan = [(LOADER_ALONE, 1)] + [(system, n) for n in counts for system in systems]
+    for system, n in plan:
+        if system == UPSTREAM and upstream is None:
+            runs.append(_not_run(system, n, upstream_note))
+            continue
+        log(
+            f"{system}: {n} trainer(s) ..."
+            if system != LOADER_ALONE
+            else f"{system}: the pipeline's own rate ..."
+        )
+        result = run_once(system, n, cfg, upstream, ROOT / "data" / "compare-runs" / stamp / f"{system}-{n}")
+        runs.append(result)
+        verdict = "exact" if result["exact"] else "; ".join(result["problems"]) or "not exact"
+        log(
+            f"  {result['per_trainer_samples_per_s']:8.1f} samples/s per trainer, "
+            f"cpu {result['cpu_s']:.1f} s, wall {result['wall_s']:.1f} s, "
+            f"peak PSS {result['peak_pss_mib']:.0f} MiB: {verdict}"
+        )
+    env = machine()
+    env["cpus_used"] = len(os.sched_getaffinity(0))
+    env["gpu"] = _gpu_name()
+    return {
+        "benchmark": "compare",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": env,
+        "config": {k: v for k, v in cfg.items() if k != "data"}
+        | {"batch_size": BATCH, "image_size": 224, "counts": list(counts), "upstream": upstream_note},
+        "summary": summarise(runs),
+        "runs": runs,
+    }
+
+
+def _not_run(system: str, n: int, why: str) -> dict[str, Any]:
+    return {"system": system, "trainers": n, "per_trainer_samples_per_s": None, "exact": False,
+            "stalled": False, "problems": [f"not run: {why}"]}  # fmt: skip
+
+
+def _available_kib() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _gpu_name() -> str | None:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except Exception:
+        return None
+
+
+def verdict(run: dict[str, Any]) -> str:
+    """One word or phrase for a run's table cell: exact, or what went wrong."""
+    if run["exact"]:
+        return "exact"
+    got = run.get("delivered_samples_per_trainer") or []
+    share = f", {min(got)}/{run['expected_samples_per_trainer']} samples" if got else ""
+    if run.get("stalled"):
+        return f"stalled{share}"
+    if any(p.startswith("stopped:") for p in run["problems"]):
+        return f"out of memory{share}"
+    if any(p.startswith("not run") for p in run["problems"]):
+        return "not run"
+    return f"not exact{share}"
+
+
+def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per trainer count: each system's per-trainer rate and the ratios the README quotes."""
+    by = {(r["system"], r["trainers"]): r for r in runs}
+    alone = by.get((LOADER_ALONE, 1), {}).get("per_trainer_samples_per_s")
+    rows = []
+    for n in sorted({r["trainers"] for r in runs if r["system"] in SYSTEMS}):
+        row: dict[str, Any] = {"trainers": n}
+        for system in SYSTEMS:
+            r = by.get((system, n))
+            if r is not None:
+                row[system] = r["per_trainer_samples_per_s"]
+                row[f"{system}_ok"] = verdict(r)
+        ours = row.get("tensorsocket")
+        if ours and row.get("independent"):
+            row["vs_independent"] = round(ours / row["independent"], 2)
+        if ours and row.get(UPSTREAM) and not by[(UPSTREAM, n)]["stalled"]:  # no ratio to a stall
+            row["vs_0.0.5"] = round(ours / row[UPSTREAM], 2)
+        if ours and alone:
+            row["gap_to_loader_pct"] = round(100 * (1 - ours / alone), 1)
+        rows.append(row)
+    return rows
+
+
+def table(result: dict[str, Any]) -> str:
+    """The summary as a Markdown table (what the README shows)."""
+    lines = [
+        "| trainers | independent DataLoaders | tensorsocket | PyPI tensorsocket 0.0.5 | vs independent | vs 0.0.5 "
+        "| gap to the loader alone |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+
+    def cell(row: dict[str, Any], system: str) -> str:
+        rate = row.get(system)
+        ok = row.get(f"{system}_ok", "")
+        text = "not run" if rate is None else f"{rate:.0f}"
+        return text if ok in ("exact", "") or rate is None else f"{text} ({ok})"
+
+    for row in result["summary"]:
+        ratio = [f"{row[k]:.2f}x" if k in row else "" for k in ("vs_independent", "vs_0.0.5")]
+        if not ratio[1] and row.get(f"{UPSTREAM}_ok", "").startswith("stalled"):
+            ratio[1] = "(0.0.5 stalled)"
+        gap = f"{row['gap_to_loader_pct']:.1f}%" if "gap_to_loader_pct" in row else ""
+        lines.append(
+            f"| {row['trainers']} | {cell(row, 'independent')} | {cell(row, 'tensorsocket')} | {cell(row, UPSTREAM)} "
+            f"| {ratio[0]} | {ratio[1]} | {gap} |"
+        )
+    return "\n".join(lines)
+
+
+def resources_table(result: dict[str, Any]) -> str:
+    """Every run's rate, CPU time, memory and verdict as a Markdown table."""
+    gpu = any(r.get("peak_gpu_mib_over_idle") is not None for r in result["runs"])
+    head = (
+        "| trainers | system | samples/s per trainer | CPU s (all processes) | peak RSS MiB | peak PSS MiB |"
+    )
+    head += " GPU MiB |" if gpu else ""
+    lines = [head + " wall s | every batch once |", "| ---: | --- |" + " ---: |" * (5 + gpu) + " --- |"]
+    for r in result["runs"]:
+        if r.get("per_trainer_samples_per_s") is None:
+            lines.append(f"| {r['trainers']} | {r['system']} |" + " |" * (5 + gpu) + f" {verdict(r)} |")
+            continue
+        cells = [f"{r['per_trainer_samples_per_s']:.1f}", f"{r['cpu_s']:.1f}", f"{r['peak_rss_mib']:.0f}",
+                 f"{r['peak_pss_mib']:.0f}"]  # fmt: skip
+        if gpu:
+            cells.append("" if r["peak_gpu_mib_over_idle"] is None else f"{r['peak_gpu_mib_over_idle']:.0f}")
+        cells += [f"{r['wall_s']:.1f}", "yes" if r["exact"] else verdict(r)]
+        lines.append(f"| {r['trainers']} | {r['system']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: Path) -> Path | None:
+    """Per-trainer samples/s against N for each system; None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    counts = [row["trainers"] for row in result["summary"]]
+    for system, style in zip(SYSTEMS, ("s-", "o-", "^-"), strict=True):
+        points = [
+            (row["trainers"], row.get(system)) for row in result["summary"] if row.get(system) is not None
+        ]
+        if not points:
+            continue
+        ax.plot([p[0] for p in points], [p[1] for p in points], style, label=system)
+        for row in result["summary"]:
+            if row.get(system) is not None and row.get(f"{system}_ok") != "exact":
+                ax.annotate(row[f"{system}_ok"].replace(" samples", "").replace("not exact, ", "got "),
+                            (row["trainers"], row[system]), textcoords="offset points", xytext=(4, 6),
+                            fontsize=8)  # fmt: skip
+    alone = next(
+        (r["per_trainer_samples_per_s"] for r in result["runs"] if r["system"] == LOADER_ALONE), None
+    )
+    if alone:
+        ax.axhline(
+            alone, linestyle="--", color="grey", linewidth=1, label="the loader alone, no training step"
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(counts, [str(c) for c in counts])
+    ax.set_xlabel("trainers (N)")
+    ax.set_ylabel("samples/s per trainer")
+    env = result["machine"]
+    where = env.get("gpu") or f"{env['cpus_used']} CPU cores, no GPU"
+    cfg = result["config"]
+    ax.set_title(
+        f"JPEG pipeline, batch {cfg['batch_size']}, {cfg['step_ms']:g} ms step; {where}", fontsize=10
+    )
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def result_stem(result: dict[str, Any], tag: str | None) -> str:
+    gpu = result["machine"].get("gpu")
+    name = tag or ("-".join(gpu.lower().split()[1:2]) if gpu else None) or platform.node() or "host"
+    return f"{name}-{result['date'][:10]}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--trainers", default="1,2,4,8", help="comma-separated trainer counts (default 1,2,4,8)"
+    )
+    parser.add_argument(
+        "--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}"
+    )
+    parser.add_argument("--step-ms", type=float, default=10.0, help="simulated training step per batch")
+    parser.add_argument("--images", type=int, default=1024, help="images per epoch (32 batches of 32)")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=2, help="worker processes per DataLoader")
+    parser.add_argument("--timeout", type=float, default=180.0, help="seconds before a run counts as stalled")
+    parser.add_argument("--cpus", type=int, help="run everything on this many CPU cores (default: all)")
+    parser.add_argument("--upstream-venv", type=Path, help="where to put tensorsocket 0.0.5's environment")
+    parser.add_argument(
+        "--upstream-wheels", type=Path, help="install 0.0.5 and tornado from this folder, offline"
+    )
+    parser.add_argument(
+        "--upstream-producer-batch-size",
+        type=int,
+        default=2,
+        help="loader batches tensorsocket 0.0.5 sends as one group (default 2: its own default, 8, "
+        "runs out of memory with 224x224 batches and 1 crashes it)",
+    )
+    parser.add_argument("--tag", help="machine name in the result files (default: GPU model or host name)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the result files")
+    parser.add_argument("--no-write", action="store_true", help="print only; write no result files")
+    parser.add_argument(
+        "--show",
+        type=Path,
+        help="run nothing: recompute the summary of this result JSON from its runs, print its tables, redraw its plot",
+    )
+    args = parser.parse_args(argv)
+    if args.show:
+        result = json.loads(args.show.read_text())
+        result["summary"] = summarise(result["runs"])  # derived: follows this code's rules
+        print(table(result), resources_table(result), sep="\n\n")
+        png = plot(result, args.show.with_suffix(".png"))
+        print("plot:", png or "not drawn (matplotlib is not installed)")
+        if not args.no_write:
+            args.show.write_text(json.dumps(result, indent=2) + "\n")
+        return
+    try:
+        counts = tuple(int(c) for c in args.trainers.split(","))
+        if not counts or min(counts) < 1:
+            raise ValueError
+    except ValueError:
+        parser.error(f"--trainers must be positive integers separated by commas, got {args.trainers!r}")
+    systems = tuple(s.strip() for s in args.systems.split(","))
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        parser.error(f"--systems: unknown {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
+    if args.cpus is not None and not 1 <= args.cpus <= len(os.sched_getaffinity(0)):
+        parser.error(f"--cpus must be between 1 and {len(os.sched_getaffinity(0))}, got {args.cpus}")
+    result = run(
+        counts, systems, args.step_ms, args.images, args.epochs, args.workers, args.timeout, args.cpus,
+        args.upstream_venv, args.upstream_wheels, args.upstream_producer_batch_size,
+    )  # fmt: skip
+    print()
+    print(table(result))
+    print()
+    print(resources_table(result))
+    if args.no_write:
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = result_stem(result, args.tag)
+    path = args.out / f"{stem}.json"
+    png = plot(result, args.out / f"{stem}.png")
+    result["plot"] = png.name if png else "not drawn: matplotlib is not installed (pip install matplotlib)"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print("wrote", path, "and", png or "no plot (matplotlib is not installed)")
+
+
+if __name__ == "__main__":
+    main()

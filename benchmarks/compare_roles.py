@@ -1,0 +1,237 @@
+"""The processes of ``benchmarks.compare``: trainers and producers of the three systems.
+
+Run as a script (``python benchmarks/compare_roles.py ROLE ...``), never as ``-m``, from a
+directory outside the repository. Why: the PyPI ``tensorsocket`` 0.0.5 roles run under
+their own virtual environment's Python, and the repository's ``tensorsocket/`` folder must
+not shadow the installed 0.0.5 package. So this file imports neither ``tensorsocket`` nor
+anything of ``benchmarks`` at the top; each role imports its system itself and checks which
+version it got.
+
+Every trainer runs the same loop (:func:`train`): for each epoch, take the batches, check
+their shape, fingerprint them (so the orchestrator can tell whether every trainer of a
+shared system saw the same batches, each once), copy them to the GPU when there is one, and
+simulate a training step of ``--step-ms``. It writes its report as JSON to ``--report``
+every half second and at the end, so a trainer that stalls and is killed still says what it
+got.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+BATCH_SIZE = 32
+UPSTREAM_VERSION = "0.0.5"
+
+
+def _import_pipeline() -> Any:
+    """``producer.imagefolder`` from this repository, found after every installed package."""
+    if str(ROOT) not in sys.path:
+        sys.path.append(str(ROOT))
+    from producer import imagefolder
+
+    return imagefolder
+
+
+def fingerprint(images: Any, labels: Any) -> str:
+    """A cheap identity for a batch: its labels and a sparse grid of its pixels."""
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update(labels.cpu().numpy().tobytes())
+    digest.update(images[:, :, ::29, ::29].contiguous().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+class Report:
+    """A trainer's progress, written atomically to a JSON file now and then."""
+
+    def __init__(self, path: str, **fields: Any) -> None:
+        self.path = Path(path)
+        self.data: dict[str, Any] = {"pid": os.getpid(), "complete": False, **fields}
+        self._written = 0.0
+
+    def write(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._written < 0.5:
+            return
+        self._written = now
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data))
+        os.replace(tmp, self.path)
+
+
+def train(batches: Any, epochs: int, step_s: float, report: Report) -> None:
+    """Iterate ``epochs`` epochs of ``batches`` as a trainer would; record everything in ``report``."""
+    import torch
+
+    gpu = torch.cuda.is_available()
+    started = time.perf_counter()
+    first = None
+    samples = 0  # after the first batch: the clock starts there, start-up is not rate
+    data = report.data
+    data.update(batches_per_epoch=[], samples_per_epoch=[], fingerprints=[], samples_per_s=0.0)
+    report.write(force=True)
+    cpu0 = time.process_time()
+    for _ in range(epochs):
+        data["batches_per_epoch"].append(0)
+        data["samples_per_epoch"].append(0)
+        data["fingerprints"].append([])
+        for images, labels in batches:
+            if gpu:
+                images = images.to("cuda", non_blocking=True)
+                labels = labels.to("cuda", non_blocking=True)
+                torch.cuda.synchronize()
+            now = time.perf_counter()
+            if first is None:
+                first = now
+                data["first_batch_s"] = now - started
+            else:
+                samples += images.shape[0]
+                data["samples_per_s"] = samples / (now - first)
+            if tuple(images.shape[1:]) != (3, 224, 224) or labels.shape[0] != images.shape[0]:
+                raise AssertionError(f"unexpected batch shapes {tuple(images.shape)} {tuple(labels.shape)}")
+            data["batches_per_epoch"][-1] += 1
+            data["samples_per_epoch"][-1] += int(images.shape[0])
+            data["fingerprints"][-1].append(fingerprint(images, labels))
+            del images, labels
+            report.write()
+            time.sleep(step_s)
+    data["main_process_cpu_s"] = time.process_time() - cpu0
+    data["complete"] = True
+    report.write(force=True)
+
+
+def _loader(args: argparse.Namespace, seed: int) -> Any:
+    import torch
+
+    torch.set_num_threads(1)
+    return _import_pipeline().make_loader(
+        args.data, batch_size=BATCH_SIZE, num_workers=args.workers, seed=seed
+    )
+
+
+# --------------------------------------------------------------------------- the three systems
+
+
+def role_loader_trainer(args: argparse.Namespace) -> None:
+    """A trainer with its own DataLoader: the status quo."""
+    loader = _loader(args, seed=args.rank)
+    report = Report(args.report, system="independent", rank=args.rank)
+    train(loader, args.epochs, args.step_ms / 1000, report)
+
+
+def role_ts_producer(args: argparse.Namespace) -> None:
+    import tensorsocket
+
+    loader = _loader(args, seed=0)
+    report = Report(args.report, system="tensorsocket", version=tensorsocket.__version__, producer=True)
+    producer = tensorsocket.Producer(loader, name=args.name, slots=8, min_consumers=args.trainers, replay=0)
+    with producer:
+        producer.serve(epochs=args.epochs)
+        status = producer.status()
+    report.data.update(
+        {k: status[k] for k in ("published", "loader_wait", "slot_wait", "publish_time", "slot_bytes")}
+    )
+    report.data["complete"] = True
+    report.write(force=True)
+
+
+def role_ts_trainer(args: argparse.Namespace) -> None:
+    import tensorsocket
+
+    report = Report(args.report, system="tensorsocket", version=tensorsocket.__version__, rank=args.rank)
+    with tensorsocket.Consumer(name=args.name, timeout=60) as consumer:
+        report.data["len"] = len(consumer)
+        train(consumer, args.epochs, args.step_ms / 1000, report)
+
+
+def _upstream() -> Any:
+    """PyPI tensorsocket 0.0.5, refusing to run with any other package of that name."""
+    import tensorsocket
+
+    ours = Path(tensorsocket.__file__).resolve().is_relative_to(ROOT / "tensorsocket")
+    if getattr(tensorsocket, "__version__", None) != UPSTREAM_VERSION or ours:
+        raise SystemExit(
+            f"expected PyPI tensorsocket {UPSTREAM_VERSION} from its own environment, got "
+            f"{getattr(tensorsocket, '__version__', '?')} at {tensorsocket.__file__}"
+        )
+    return tensorsocket
+
+
+def _ports(base: int) -> dict[str, Any]:
+    return {"port": base, "ack_port": base + 1, "heart_ports": (base + 2, base + 3)}
+
+
+def role_up_producer(args: argparse.Namespace) -> None:
+    """Upstream's producer loop, as its README shows, after all trainers have registered.
+
+    0.0.5 has no "wait for N consumers" option, and one that registers after the first
+    broadcast may be skipped as too far behind and then wait forever; so, to give it its best
+    case, this waits (up to 120 s) until its heartbeat has seen every trainer.
+    """
+    upstream = _upstream()
+    loader = _loader(args, seed=0)
+    report = Report(args.report, system="tensorsocket-0.0.5", version=upstream.__version__, producer=True)
+    producer = upstream.TensorProducer(
+        loader, **_ports(args.port), producer_batch_size=args.producer_batch_size
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        hb = getattr(producer, "hb", None)
+        if hb is not None and len(hb.consumers) >= args.trainers:
+            break
+        time.sleep(0.05)
+    report.data["registered"] = len(producer.hb.consumers) if producer.hb is not None else 0
+    report.write(force=True)
+    for _ in range(args.epochs):
+        for _ in producer:
+            pass
+    producer.join()
+    report.data["complete"] = True
+    report.write(force=True)
+
+
+def role_up_trainer(args: argparse.Namespace) -> None:
+    upstream = _upstream()
+    report = Report(args.report, system="tensorsocket-0.0.5", version=upstream.__version__, rank=args.rank)
+    consumer = upstream.TensorConsumer(**_ports(args.port), batch_size=BATCH_SIZE)
+    report.data["len"] = len(consumer)
+    train(consumer, args.epochs, args.step_ms / 1000, report)
+
+
+ROLES = {
+    "loader-trainer": role_loader_trainer,
+    "ts-producer": role_ts_producer,
+    "ts-trainer": role_ts_trainer,
+    "up-producer": role_up_producer,
+    "up-trainer": role_up_trainer,
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="one process of benchmarks.compare")
+    parser.add_argument("role", choices=sorted(ROLES))
+    parser.add_argument("--report", required=True, help="JSON file this process writes its figures to")
+    parser.add_argument("--data", help="folder of JPEGs (producer.imagefolder layout)")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--step-ms", type=float, default=10.0)
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--trainers", type=int, default=1)
+    parser.add_argument("--name", help="tensorsocket producer name")
+    parser.add_argument("--port", type=int, help="first of the four ports tensorsocket 0.0.5 uses")
+    parser.add_argument(
+        "--producer-batch-size", type=int, default=8, help="tensorsocket 0.0.5's (its default: 8)"
+    )
+    args = parser.parse_args(argv)
+    ROLES[args.role](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""The side-by-side benchmark's harness (``benchmarks.compare``): a small real run of two of its
+systems, and its verdicts on reports that went wrong. The PyPI 0.0.5 system is left to the
+benchmark itself: installing it needs the network and running it takes minutes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.compare import Watcher, _judge, summarise, table, verdict
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_small_run_of_two_systems_is_exact_and_written(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.compare", "--systems", "independent,tensorsocket", "--trainers", "1,2",
+         "--images", "64", "--epochs", "2", "--step-ms", "1", "--timeout", "90", "--out", str(tmp_path),
+         "--tag", "test"],
+        cwd=ROOT, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    [path] = tmp_path.glob("test-*.json")
+    result = json.loads(path.read_text())
+    systems = [(r["system"], r["trainers"]) for r in result["runs"]]
+    assert systems == [("loader-alone", 1), ("independent", 1), ("tensorsocket", 1), ("independent", 2),
+                       ("tensorsocket", 2)]  # fmt: skip
+    for run in result["runs"]:
+        assert run["exact"], run["problems"]
+        assert run["delivered_samples_per_trainer"] == [128] * run["trainers"]
+        assert run["per_trainer_samples_per_s"] > 0 and run["cpu_s"] > 0 and run["peak_pss_mib"] > 0
+    shared = result["runs"][-1]
+    assert [p["role"] for p in shared["processes"]] == ["ts-producer", "ts-trainer", "ts-trainer"]
+    assert [row["trainers"] for row in result["summary"]] == [1, 2]
+    assert "vs_independent" in result["summary"][1] and "gap_to_loader_pct" in result["summary"][1]
+    assert "| 2 |" in done.stdout  # the Markdown table is printed
+    has_matplotlib = importlib.util.find_spec("matplotlib") is not None
+    assert (tmp_path / path.with_suffix(".png").name).exists() == has_matplotlib
+    assert result["machine"]["cpus_used"] >= 1 and result["config"]["counts"] == [1, 2]
+
+
+def test_bad_trainer_counts_are_refused_before_anything_runs() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.compare", "--trainers", "1,zero"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2 and "--trainers must be positive integers" in done.stderr
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.compare", "--systems", "independent,coordl"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2 and "unknown coordl" in done.stderr
+
+
+CFG = {"images": 64, "epochs": 1, "timeout": 30.0, "memory_cap_kib": None}
+
+
+def _trainer(rank: int, prints: list[str], complete: bool = True, rate: float = 100.0) -> dict:
+    return {
+        "role": "ts-trainer", "rank": rank, "returncode": 0 if complete else -9, "log": "x.log",
+        "complete": complete, "batches_per_epoch": [len(prints)], "samples_per_epoch": [32 * len(prints)],
+        "fingerprints": [prints], "samples_per_s": rate,
+    }  # fmt: skip
+
+
+def _judged(reports: list[dict], stalled: bool = False, system: str = "tensorsocket") -> dict:
+    return _judge(system, len(reports), CFG, reports, stalled, False, 20.0, 1.0, Watcher())
+
+
+def test_verdicts() -> None:
+    good = _judged([_trainer(0, ["a", "b"]), _trainer(1, ["a", "b"])])
+    assert good["exact"] and verdict(good) == "exact" and good["per_trainer_samples_per_s"] == 100.0
+
+    different = _judged([_trainer(0, ["a", "b"]), _trainer(1, ["a", "c"])])
+    assert not different["exact"] and "did not get the same batches" in " ".join(different["problems"])
+    assert _judged([_trainer(0, ["a", "c"]), _trainer(1, ["a", "b"])], system="independent")["exact"]
+
+    twice = _judged([_trainer(0, ["a", "a"])])
+    assert not twice["exact"] and "twice" in " ".join(twice["problems"])
+
+    short = _judged([_trainer(0, ["a"])])
+    assert verdict(short) == "not exact, 32/64 samples"
+
+    # A trainer that never finished is rated by what it got over the whole time it was given.
+    hung = _judged([_trainer(0, ["a", "b"]), _trainer(1, ["a"], complete=False, rate=500.0)], stalled=True)
+    assert verdict(hung) == "stalled, 32/64 samples"
+    assert hung["min_trainer_samples_per_s"] == pytest.approx(32 / 20.0)
+
+    crashed = _trainer(1, ["a", "b"])
+    crashed["returncode"] = 1
+    assert "exited with 1" in " ".join(_judged([_trainer(0, ["a", "b"]), crashed])["problems"])
+
+
+def test_summary_ratios_and_table() -> None:
+    def run(system: str, n: int, rate: float, exact: bool = True) -> dict:
+        return {"system": system, "trainers": n, "per_trainer_samples_per_s": rate, "exact": exact,
+                "stalled": False, "problems": [] if exact else ["x"], "delivered_samples_per_trainer": [10],
+                "expected_samples_per_trainer": 20}  # fmt: skip
+
+    runs = [run("loader-alone", 1, 800.0), run("independent", 4, 200.0), run("tensorsocket", 4, 760.0),
+            run("tensorsocket-0.0.5", 4, 38.0, exact=False)]  # fmt: skip
+    [row] = summarise(runs)
+    assert row["vs_independent"] == 3.8 and row["vs_0.0.5"] == 20.0 and row["gap_to_loader_pct"] == 5.0
+    text = table({"summary": [row]})
+    assert "| 4 | 200 | 760 | 38 (not exact, 10/20 samples) | 3.80x | 20.00x | 5.0% |" in text
