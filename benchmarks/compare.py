@@ -12,7 +12,8 @@ DataLoader), one run after the other:
   through a ``.pth`` file, so both packages run on one torch build.
 
 Each trainer simulates a training step of ``--step-ms`` (a sleep: the CPU stays free for
-loading; on a GPU machine each batch is also copied to the GPU first). For every run it
+loading; on a GPU machine each batch is also copied to the GPU first), or with ``--model``
+trains a torchvision model (e.g. ``resnet18``) on each batch, on the GPU when there is one. For every run it
 records per-trainer samples/s (from each trainer's first batch to its last), the CPU seconds
 of every process of the run (loader workers included: this process is their subreaper),
 the peak memory of all of them together (RSS, and PSS, which counts shared pages once), the
@@ -271,6 +272,8 @@ def run_once(
     common = ["--data", cfg["data"], "--workers", str(cfg["workers"]), "--epochs", str(cfg["epochs"])]
     step_ms = 0 if system == LOADER_ALONE else cfg["step_ms"]
     common += ["--step-ms", str(step_ms), "--trainers", str(trainers)]
+    if cfg["model"] and system != LOADER_ALONE:
+        common += ["--model", cfg["model"]]
     python: Path | str = sys.executable
     if system in ("independent", LOADER_ALONE):
         plan = [("loader-trainer", i) for i in range(trainers)]
@@ -423,6 +426,7 @@ def run(
     upstream_venv: Path | None = None,
     upstream_wheels: Path | None = None,
     upstream_producer_batch_size: int = 2,
+    model: str | None = None,
     log: Any = print,
 ) -> dict[str, Any]:
     """Run every system at every count; return every figure and the environment as a dict."""
@@ -451,6 +455,7 @@ def run(
         "step_ms": step_ms,
         "timeout": timeout,
         "upstream_producer_batch_size": upstream_producer_batch_size,
+        "model": model,
         "memory_cap_kib": int(avail_kib * 0.8) if avail_kib else None,
     }
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -633,9 +638,8 @@ def plot(result: dict[str, Any], path: Path) -> Path | None:
     env = result["machine"]
     where = env.get("gpu") or f"{env['cpus_used']} CPU cores, no GPU"
     cfg = result["config"]
-    ax.set_title(
-        f"JPEG pipeline, batch {cfg['batch_size']}, {cfg['step_ms']:g} ms step; {where}", fontsize=10
-    )
+    step = f"{cfg['model']} training" if cfg.get("model") else f"{cfg['step_ms']:g} ms step"
+    ax.set_title(f"JPEG pipeline, batch {cfg['batch_size']}, {step}; {where}", fontsize=10)
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -660,6 +664,9 @@ def main(argv: list[str] | None = None) -> None:
         "--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}"
     )
     parser.add_argument("--step-ms", type=float, default=10.0, help="simulated training step per batch")
+    parser.add_argument(
+        "--model", help="train this torchvision model (e.g. resnet18; needs torchvision) instead of --step-ms"
+    )
     parser.add_argument("--images", type=int, default=1024, help="images per epoch (32 batches of 32)")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--workers", type=int, default=2, help="worker processes per DataLoader")
@@ -708,7 +715,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--cpus must be between 1 and {len(os.sched_getaffinity(0))}, got {args.cpus}")
     result = run(
         counts, systems, args.step_ms, args.images, args.epochs, args.workers, args.timeout, args.cpus,
-        args.upstream_venv, args.upstream_wheels, args.upstream_producer_batch_size,
+        args.upstream_venv, args.upstream_wheels, args.upstream_producer_batch_size, args.model,
     )  # fmt: skip
     print()
     print(table(result))

@@ -66,11 +66,42 @@ class Report:
         os.replace(tmp, self.path)
 
 
-def train(batches: Any, epochs: int, step_s: float, report: Report) -> None:
-    """Iterate ``epochs`` epochs of ``batches`` as a trainer would; record everything in ``report``."""
+def model_step(name: str) -> Any:
+    """A real training step of torchvision's model ``name`` (e.g. ``resnet18``): forward,
+    cross-entropy, backward, SGD, and ``loss.item()`` as a training loop's logging does."""
+    import torch
+
+    try:
+        import torchvision
+    except ImportError:
+        raise SystemExit(
+            f"--model {name} needs torchvision (the build matching your torch; it is not a dependency)"
+        ) from None
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = getattr(torchvision.models, name)(num_classes=1000).to(device).train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def step(images: Any, labels: Any) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model(images), labels)
+        loss.backward()
+        optimizer.step()
+        loss.item()
+
+    return step
+
+
+def train(batches: Any, epochs: int, step_s: float, report: Report, model: str | None = None) -> None:
+    """Iterate ``epochs`` epochs of ``batches`` as a trainer would; record everything in ``report``.
+
+    Each step is a sleep of ``step_s`` (the batch released first), or with ``model`` a real
+    training step on the batch.
+    """
     import torch
 
     gpu = torch.cuda.is_available()
+    step = model_step(model) if model else None
     started = time.perf_counter()
     first = None
     samples = 0  # after the first batch: the clock starts there, start-up is not rate
@@ -99,9 +130,12 @@ def train(batches: Any, epochs: int, step_s: float, report: Report) -> None:
             data["batches_per_epoch"][-1] += 1
             data["samples_per_epoch"][-1] += int(images.shape[0])
             data["fingerprints"][-1].append(fingerprint(images, labels))
+            if step is not None:
+                step(images, labels)
             del images, labels
             report.write()
-            time.sleep(step_s)
+            if step is None:
+                time.sleep(step_s)
     data["main_process_cpu_s"] = time.process_time() - cpu0
     data["complete"] = True
     report.write(force=True)
@@ -123,7 +157,7 @@ def role_loader_trainer(args: argparse.Namespace) -> None:
     """A trainer with its own DataLoader: the status quo."""
     loader = _loader(args, seed=args.rank)
     report = Report(args.report, system="independent", rank=args.rank)
-    train(loader, args.epochs, args.step_ms / 1000, report)
+    train(loader, args.epochs, args.step_ms / 1000, report, args.model)
 
 
 def role_ts_producer(args: argparse.Namespace) -> None:
@@ -148,7 +182,7 @@ def role_ts_trainer(args: argparse.Namespace) -> None:
     report = Report(args.report, system="tensorsocket", version=tensorsocket.__version__, rank=args.rank)
     with tensorsocket.Consumer(name=args.name, timeout=60) as consumer:
         report.data["len"] = len(consumer)
-        train(consumer, args.epochs, args.step_ms / 1000, report)
+        train(consumer, args.epochs, args.step_ms / 1000, report, args.model)
 
 
 def _upstream() -> Any:
@@ -202,7 +236,7 @@ def role_up_trainer(args: argparse.Namespace) -> None:
     report = Report(args.report, system="tensorsocket-0.0.5", version=upstream.__version__, rank=args.rank)
     consumer = upstream.TensorConsumer(**_ports(args.port), batch_size=BATCH_SIZE)
     report.data["len"] = len(consumer)
-    train(consumer, args.epochs, args.step_ms / 1000, report)
+    train(consumer, args.epochs, args.step_ms / 1000, report, args.model)
 
 
 ROLES = {
@@ -222,6 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--step-ms", type=float, default=10.0)
+    parser.add_argument("--model", help="train this torchvision model instead of sleeping --step-ms")
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--trainers", type=int, default=1)
     parser.add_argument("--name", help="tensorsocket producer name")

@@ -9,6 +9,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -437,6 +438,10 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _watch(args: argparse.Namespace, once: Any, missing: str) -> int:
+    # SIGINT stops the watch however it was started: a process started in the background by
+    # a shell without job control inherits SIGINT ignored, and Python then installs no
+    # KeyboardInterrupt handler of its own (a CI run once waited 90 s on exactly that).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     tty = sys.stdout.isatty()
     previous: dict[str, Any] | None = None
     reports = 0

@@ -144,6 +144,23 @@ def consume_slowly(consumer: Consumer, stop: threading.Event, step: float = 0.02
                 break
 
 
+def test_status_watch_stops_on_sigint_even_when_started_with_sigint_ignored() -> None:
+    """A shell without job control starts background commands with SIGINT ignored, and Python
+    then installs no KeyboardInterrupt handler: --watch must still stop on SIGINT."""
+    watch = subprocess.Popen(
+        command("status", "--name", unique_name("nobody"), "--watch", "0.1"),
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )  # fmt: skip
+    try:
+        assert "no producer is serving" in read_until(watch, "--- ", 2)
+        watch.send_signal(signal.SIGINT)
+        rc, _, err = finish(watch, timeout=20)
+        assert rc == 0 and "Traceback" not in err, err
+    finally:
+        kill(watch)
+
+
 def test_serve_with_options_status_while_consuming_second_serve_and_sigterm(pipeline: Path) -> None:
     """serve with --replay / --grace / --min-consumers; status (table, JSON, --watch, and
     without torch) while a consumer runs; a second serve refused; SIGTERM ends cleanly."""

@@ -108,3 +108,44 @@ def test_summary_ratios_and_table() -> None:
     assert row["vs_independent"] == 3.8 and row["vs_0.0.5"] == 20.0 and row["gap_to_loader_pct"] == 5.0
     text = table({"summary": [row]})
     assert "| 4 | 200 | 760 | 38 (not exact, 10/20 samples) | 3.80x | 20.00x | 5.0% |" in text
+
+
+def test_a_trainer_can_train_a_model_on_each_batch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--model``: real forward/backward/SGD on each batch. torchvision's CPU build is not
+    installable on this machine, so a stand-in provides a small model under its name."""
+    import types
+
+    import torch
+
+    from benchmarks.compare_roles import Report, train
+
+    def tiny(num_classes: int) -> torch.nn.Module:
+        return torch.nn.Sequential(
+            torch.nn.AdaptiveAvgPool2d(4), torch.nn.Flatten(), torch.nn.Linear(48, num_classes)
+        )
+
+    built: list[tuple[torch.nn.Module, list[torch.Tensor]]] = []
+
+    def resnet18(num_classes: int) -> torch.nn.Module:
+        model = tiny(num_classes)
+        built.append((model, [p.detach().clone() for p in model.parameters()]))
+        return model
+
+    monkeypatch.setitem(
+        sys.modules, "torchvision", types.SimpleNamespace(models=types.SimpleNamespace(resnet18=resnet18))
+    )
+    g = torch.Generator().manual_seed(0)
+    batches = [
+        (torch.rand(4, 3, 224, 224, generator=g), torch.randint(0, 10, (4,), generator=g)) for _ in range(3)
+    ]
+    report = Report(str(tmp_path / "r.json"))
+    train(batches, 2, 0.0, report, model="resnet18")
+    [(model, initial)] = built
+    assert report.data["complete"] and report.data["batches_per_epoch"] == [3, 3]
+    assert all(p.grad is not None for p in model.parameters())  # backward ran on the batches
+    assert all(not torch.equal(p, q) for p, q in zip(model.parameters(), initial, strict=True))  # SGD stepped
+    assert json.loads((tmp_path / "r.json").read_text())["samples_per_epoch"] == [12, 12]
+
+    monkeypatch.setitem(sys.modules, "torchvision", None)
+    with pytest.raises(SystemExit, match="--model resnet18 needs torchvision"):
+        train(batches, 1, 0.0, Report(str(tmp_path / "s.json")), model="resnet18")
