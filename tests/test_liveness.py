@@ -205,7 +205,9 @@ def test_consumer_without_producer_times_out_naming_the_endpoint(name):
 def test_consumer_closing_mid_epoch_leaves_at_once(name):
     batches = 6
     results = SPAWN.Queue()
-    other = SPAWN.Process(target=run_consumer, args=(name, EPOCHS, batches, results))
+    # The other consumer steps slowly enough (10 batches left, 0.2 s each) to still be there
+    # when the producer is checked: a fast one could finish and leave first (seen in CI).
+    other = SPAWN.Process(target=run_consumer, args=(name, EPOCHS, batches, results), kwargs={"step": 0.2})
     producer = Producer(NestedLoader(batches), name=name, slots=3, replay=0, min_consumers=2)
     with reaped(other), serving(producer, EPOCHS) as (server, errors):
         consumer = Consumer(name=name, timeout=10)  # silence alone would take 10 s to notice
