@@ -62,6 +62,17 @@ _PR_SET_CHILD_SUBREAPER = 36
 # --------------------------------------------------------------------------- the upstream environment
 
 
+def upstream_env() -> dict[str, str]:
+    """This environment, less any PYTHONPATH entry holding another ``tensorsocket`` package
+    (the repository's, say), which would otherwise shadow the one in 0.0.5's environment."""
+    env = dict(os.environ)
+    keep = [
+        p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and not Path(p, "tensorsocket").is_dir()
+    ]
+    env["PYTHONPATH"] = os.pathsep.join(keep)
+    return env
+
+
 def upstream_python(venv: Path, wheels: Path | None = None, log: Any = print) -> tuple[Path | None, str]:
     """Create (once) a virtual environment holding PyPI tensorsocket 0.0.5; return its Python.
 
@@ -75,7 +86,9 @@ def upstream_python(venv: Path, wheels: Path | None = None, log: Any = print) ->
     probe = "import tensorsocket, zmq, tornado, torch; print(tensorsocket.__version__, tensorsocket.__file__)"
 
     def check() -> str | None:
-        done = subprocess.run([str(python), "-c", probe], cwd=venv, capture_output=True, text=True)
+        done = subprocess.run(
+            [str(python), "-c", probe], cwd=venv, capture_output=True, text=True, env=upstream_env()
+        )
         words = done.stdout.split()
         if done.returncode == 0 and words[:1] == ["0.0.5"] and Path(words[1]).is_relative_to(venv):
             return None
@@ -230,9 +243,10 @@ def _launch(
     python: Path | str, role: str, report: Path, log: Path, extra: list[str], cwd: Path
 ) -> subprocess.Popen:
     command = [str(python), str(ROLES), role, "--report", str(report), *extra]
+    env = upstream_env() if role.startswith("up-") else None
     with open(log, "wb") as out:
         return subprocess.Popen(
-            command, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            command, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
         )
 
 
