@@ -136,18 +136,17 @@ def upstream_python(venv: Path, wheels: Path | None = None, log: Any = print) ->
 
 def _children_of(root: int) -> list[int]:
     """Every live descendant of ``root`` (from /proc)."""
-    parent: dict[int, int] = {}
+    children: dict[int, list[int]] = {}
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
             try:
                 stat = Path(entry.path, "stat").read_text()
             except OSError:
                 continue
-            parent[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry.name))
     found, frontier = [], [root]
     while frontier:
-        pid = frontier.pop()
-        kids = [p for p, pp in parent.items() if pp == pid]
+        kids = children.get(frontier.pop(), [])
         found += kids
         frontier += kids
     return found
@@ -361,7 +360,7 @@ def _judge(
     """Turn the processes' reports into one run's figures and verdicts."""
     expected_batches = math.ceil(cfg["images"] / BATCH)
     epochs = cfg["epochs"]
-    trainer_reports = [r for r in reports if not r.get("producer") and r["role"].endswith("trainer")]
+    trainer_reports = [r for r in reports if r["role"].endswith("trainer")]
     problems: list[str] = []
     if stalled:
         problems.append(f"stalled: not done after {cfg['timeout']:.0f} s, killed")
@@ -486,11 +485,11 @@ def run(
         )
         result = run_once(system, n, cfg, upstream, ROOT / "data" / "compare-runs" / stamp / f"{system}-{n}")
         runs.append(result)
-        verdict = "exact" if result["exact"] else "; ".join(result["problems"]) or "not exact"
+        outcome = "exact" if result["exact"] else "; ".join(result["problems"]) or "not exact"
         log(
             f"  {result['per_trainer_samples_per_s']:8.1f} samples/s per trainer, "
             f"cpu {result['cpu_s']:.1f} s, wall {result['wall_s']:.1f} s, "
-            f"peak PSS {result['peak_pss_mib']:.0f} MiB: {verdict}"
+            f"peak PSS {result['peak_pss_mib']:.0f} MiB: {outcome}"
         )
     env = machine()
     env["cpus_used"] = len(os.sched_getaffinity(0))

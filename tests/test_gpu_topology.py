@@ -9,6 +9,7 @@ import types
 
 import pytest
 
+from tensorsocket.host import boot_id
 from tensorsocket.transport import gpu_topology as topo
 from tensorsocket.transport.gpu_topology import Delivery, GpuFacts, GpuPathError
 
@@ -41,6 +42,9 @@ def test_a_consumer_that_cannot_be_served_is_told_why_and_what_to_do() -> None:
     elsewhere = GpuFacts("boot-2", "GPU-aaaa", "NVIDIA H100", mig=False)
     with pytest.raises(GpuPathError, match=r"not run on the producer's machine \(boot id boot-2 vs boot-1\)"):
         topo.consumer_delivery(H100, elsewhere, True)
+    unknown = GpuFacts("", "GPU-aaaa", "NVIDIA H100", mig=False)
+    with pytest.raises(GpuPathError, match="not run on the producer's machine"):
+        topo.consumer_delivery(unknown, unknown, True)  # an unreadable boot id matches nothing
     mig = GpuFacts("boot-1", "MIG-cccc", "NVIDIA A100", mig=True)
     with pytest.raises(GpuPathError, match=r"MIG mode.*start the producer with device='cpu'"):
         topo.consumer_delivery(H100, mig, False)
@@ -73,7 +77,7 @@ def _fake_nvml(monkeypatch: pytest.MonkeyPatch, **overrides) -> types.SimpleName
 
 def test_reading_the_facts_through_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = _fake_nvml(monkeypatch)
-    me = topo.boot_id()
+    me = boot_id()
     assert len(me) == 36  # the kernel's UUID for this boot
     assert topo.read_gpu("aaaa") == GpuFacts(me, "GPU-aaaa", "NVIDIA H100", mig=False)  # torch's form
     assert topo.read_gpu("GPU-bbbb") == GpuFacts(me, "GPU-bbbb", "NVIDIA A100", mig=True)
@@ -111,7 +115,7 @@ def test_the_real_gpu_facts_agree_with_torch() -> None:
     uuid = topo.torch_uuid(0)
     facts = topo.read_gpu(uuid)
     assert facts.uuid == uuid and facts.name == torch.cuda.get_device_name(0)
-    assert facts.boot_id == topo.boot_id()
+    assert facts.boot_id == boot_id()
     assert topo.peer_access(uuid, uuid)
     assert topo.consumer_delivery(facts, facts, False) is Delivery.VIEWS
     assert topo.producer_transport(facts)[0] == ("shm" if facts.mig else "cuda")

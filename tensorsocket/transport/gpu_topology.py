@@ -26,12 +26,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from tensorsocket.errors import TensorSocketError
-
-BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+from tensorsocket.host import boot_id
 
 
 class GpuPathError(TensorSocketError):
@@ -73,7 +71,7 @@ def consumer_delivery(producer: GpuFacts, consumer: GpuFacts | None, peer: bool)
     """
     if consumer is None:
         return Delivery.HOST_COPY
-    if consumer.boot_id != producer.boot_id:
+    if not consumer.boot_id or consumer.boot_id != producer.boot_id:  # "": unknown, not a match
         raise GpuPathError(
             f"the consumer does not run on the producer's machine (boot id {consumer.boot_id} vs "
             f"{producer.boot_id}): GPU batches are shared within one machine only"
@@ -89,10 +87,6 @@ def consumer_delivery(producer: GpuFacts, consumer: GpuFacts | None, peer: bool)
 
 
 # --------------------------------------------------------------------------- facts
-
-
-def boot_id() -> str:
-    return BOOT_ID.read_text().strip()
 
 
 def _nvml() -> Any:
