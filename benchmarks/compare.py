@@ -6,7 +6,12 @@ resized crop, flip, normalise; batch 32, 224x224; ``--workers`` loader processes
 DataLoader), one run after the other:
 
 * ``independent``: N trainers, each with its own DataLoader (the status quo);
-* ``tensorsocket``: this repository; one producer runs the DataLoader, N consumers;
+* ``tensorsocket``: this repository; one producer runs the DataLoader, N consumers (host
+  shared memory; on a GPU machine each trainer then copies each batch to the GPU);
+* ``tensorsocket-gpu``: the same with the batches kept in GPU memory: ``Producer(device=
+  "cuda:0")``, trainers ``Consumer(device="cuda:0")`` (zero-copy views of the producer's GPU
+  memory). Needs a CUDA GPU (or ``TENSORSOCKET_FAKE_CUDA=1``, the CPU stand-in); elsewhere it
+  is reported as not run, with the reason;
 * ``tensorsocket-0.0.5``: the PyPI package, installed by this script into its own virtual
   environment (``data/upstream-tensorsocket-0.0.5``), which sees the same torch as this one
   through a ``.pth`` file, so both packages run on one torch build.
@@ -20,7 +25,9 @@ the peak memory of all of them together (RSS, and PSS, which counts shared pages
 GPU memory in use when nvidia-ml-py is there, and whether every trainer got every batch of
 every epoch exactly once (shared systems: the same batches, in the same order, in every
 trainer). A run that is not done after ``--timeout`` seconds is killed and reported as
-stalled, with what each trainer had got by then.
+stalled, with what each trainer had got by then. ``--repeat K`` runs every (system, N) K
+times (round-robin, so drift hits every system alike); every run is kept in the JSON and the
+summary quotes the median.
 
     python -m benchmarks.compare            # or: bash scripts/bench.sh
     # -> benchmarks/results/<machine>-<date>.json and .png, and a table for the README
@@ -38,6 +45,7 @@ import resource
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -52,8 +60,11 @@ from benchmarks.sharing import machine
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 ROLES = ROOT / "benchmarks" / "compare_roles.py"
-SYSTEMS = ("independent", "tensorsocket", "tensorsocket-0.0.5")
+SYSTEMS = ("independent", "tensorsocket", "tensorsocket-gpu", "tensorsocket-0.0.5")
 UPSTREAM = "tensorsocket-0.0.5"
+GPU_SYSTEM = "tensorsocket-gpu"
+GPU_DEVICE = "cuda:0"
+FAKE_CUDA = "TENSORSOCKET_FAKE_CUDA"  # "1": tensorsocket's CPU stand-in for the CUDA primitives
 LOADER_ALONE = "loader-alone"  # one DataLoader drained with no training step: the pipeline's own rate
 BATCH = 32
 _PR_SET_CHILD_SUBREAPER = 36
@@ -80,6 +91,9 @@ def upstream_python(venv: Path, wheels: Path | None = None, log: Any = print) ->
     this environment lacks); a ``.pth`` file puts this environment's site-packages after its
     own, so torch, pyzmq, NumPy and Pillow are the very same builds for all three systems, and
     a CUDA torch is never downloaded again. ``wheels``: install from that folder, offline.
+    The environment is made without pip (``--without-pip``: a Python without ``ensurepip``,
+    as Debian's and Ubuntu's are without python3-venv, can still make it); this Python's own
+    pip installs the two packages into its site-packages.
     Returns ``(None, why)`` when it cannot be set up: the table then says so.
     """
     python = venv / "bin" / "python"
@@ -99,7 +113,9 @@ def upstream_python(venv: Path, wheels: Path | None = None, log: Any = print) ->
     log(f"installing PyPI tensorsocket 0.0.5 into {venv} ...")
     shutil.rmtree(venv, ignore_errors=True)
     try:
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True)
+        subprocess.run(
+            [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, capture_output=True
+        )
         site = subprocess.run(
             [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
             check=True,
@@ -111,12 +127,15 @@ def upstream_python(venv: Path, wheels: Path | None = None, log: Any = print) ->
         source = ["--no-index", "--find-links", str(wheels)] if wheels else []
         subprocess.run(
             [
-                str(python),
+                sys.executable,
                 "-m",
                 "pip",
                 "install",
                 "--quiet",
                 "--no-deps",
+                "--no-compile",
+                "--target",
+                site,
                 *source,
                 "tensorsocket==0.0.5",
                 "tornado>=6",
@@ -124,6 +143,7 @@ def upstream_python(venv: Path, wheels: Path | None = None, log: Any = print) ->
             check=True,
             capture_output=True,
             text=True,
+            env=upstream_env() | {"PIP_DISABLE_PIP_VERSION_CHECK": "1"},
         )
     except subprocess.CalledProcessError as exc:
         return None, f"could not install it: {(exc.stderr or '').strip().splitlines()[-1:]}"
@@ -291,9 +311,11 @@ def run_once(
     if system in ("independent", LOADER_ALONE):
         plan = [("loader-trainer", i) for i in range(trainers)]
         extra: list[str] = []
-    elif system == "tensorsocket":
+    elif system in ("tensorsocket", GPU_SYSTEM):
         plan = [("ts-producer", None)] + [("ts-trainer", i) for i in range(trainers)]
         extra = ["--name", f"compare-{uuid.uuid4().hex[:8]}"]
+        if system == GPU_SYSTEM:
+            extra += ["--device", GPU_DEVICE]
     else:
         assert upstream is not None
         python = upstream
@@ -441,8 +463,12 @@ def run(
     upstream_producer_batch_size: int = 2,
     model: str | None = None,
     log: Any = print,
+    repeat: int = 1,
+    progress: Any = None,
 ) -> dict[str, Any]:
-    """Run every system at every count; return every figure and the environment as a dict."""
+    """Run every system at every count, ``repeat`` times (round-robin); return every figure and
+    the environment as a dict. ``progress``, if given, is called with the result so far (marked
+    ``"partial": true``) after every run, so a benchmark stopped from outside leaves what it did."""
     from producer.imagefolder import make_dataset
 
     try:  # descendants whose parent was killed come to us, so their CPU time is counted
@@ -459,6 +485,9 @@ def run(
             upstream_venv or ROOT / "data" / "upstream-tensorsocket-0.0.5", upstream_wheels, log
         )
         log(f"PyPI tensorsocket 0.0.5: {upstream_note}")
+    gpu_missing = gpu_unavailable() if GPU_SYSTEM in systems else None
+    if gpu_missing:
+        log(f"{GPU_SYSTEM}: not run: {gpu_missing}")
     avail_kib = _available_kib()
     cfg = {
         "data": root,
@@ -473,36 +502,76 @@ def run(
     }
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     runs: list[dict[str, Any]] = []
-    plan = [(LOADER_ALONE, 1)] + [(system, n) for n in counts for system in systems]
-    for system, n in plan:
-        if system == UPSTREAM and upstream is None:
-            runs.append(_not_run(system, n, upstream_note))
-            continue
-        log(
-            f"{system}: {n} trainer(s) ..."
-            if system != LOADER_ALONE
-            else f"{system}: the pipeline's own rate ..."
-        )
-        result = run_once(system, n, cfg, upstream, ROOT / "data" / "compare-runs" / stamp / f"{system}-{n}")
-        runs.append(result)
-        outcome = "exact" if result["exact"] else "; ".join(result["problems"]) or "not exact"
-        log(
-            f"  {result['per_trainer_samples_per_s']:8.1f} samples/s per trainer, "
-            f"cpu {result['cpu_s']:.1f} s, wall {result['wall_s']:.1f} s, "
-            f"peak PSS {result['peak_pss_mib']:.0f} MiB: {outcome}"
-        )
     env = machine()
     env["cpus_used"] = len(os.sched_getaffinity(0))
     env["gpu"] = _gpu_name()
-    return {
-        "benchmark": "compare",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": env,
-        "config": {k: v for k, v in cfg.items() if k != "data"}
-        | {"batch_size": BATCH, "image_size": 224, "counts": list(counts), "upstream": upstream_note},
-        "summary": summarise(runs),
-        "runs": runs,
-    }
+
+    def whole(partial: bool) -> dict[str, Any]:
+        return {
+            "benchmark": "compare",
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "machine": env,
+            "config": {k: v for k, v in cfg.items() if k != "data"}
+            | {
+                "batch_size": BATCH,
+                "image_size": 224,
+                "counts": list(counts),
+                "upstream": upstream_note,
+                "systems": list(systems),
+                "repeat": repeat,
+                "gpu_path": gpu_missing or "run",
+                "fake_cuda": os.environ.get(FAKE_CUDA) == "1",
+            },
+            **({"partial": True} if partial else {}),
+            "summary": summarise(runs),
+            "runs": runs,
+        }
+
+    plan = [(LOADER_ALONE, 1)] + [(system, n) for n in counts for system in systems]
+    for rep in range(repeat):
+        for system, n in plan:
+            if system == UPSTREAM and upstream is None:
+                runs.append(_not_run(system, n, upstream_note) | _rep(rep, repeat))
+                continue
+            if system == GPU_SYSTEM and gpu_missing:
+                runs.append(_not_run(system, n, gpu_missing) | _rep(rep, repeat))
+                continue
+            what = f"{n} trainer(s)" if system != LOADER_ALONE else "the pipeline's own rate"
+            log(f"{system}: {what}{f' (run {rep + 1} of {repeat})' if repeat > 1 else ''} ...")
+            folder = f"{system}-{n}" + (f"-run{rep + 1}" if repeat > 1 else "")
+            result = run_once(system, n, cfg, upstream, ROOT / "data" / "compare-runs" / stamp / folder)
+            result |= _rep(rep, repeat)
+            runs.append(result)
+            outcome = "exact" if result["exact"] else "; ".join(result["problems"]) or "not exact"
+            log(
+                f"  {result['per_trainer_samples_per_s']:8.1f} samples/s per trainer, "
+                f"cpu {result['cpu_s']:.1f} s, wall {result['wall_s']:.1f} s, "
+                f"peak PSS {result['peak_pss_mib']:.0f} MiB: {outcome}"
+            )
+            if progress is not None:
+                progress(whole(partial=True))
+    return whole(partial=False)
+
+
+def gpu_unavailable() -> str | None:
+    """Why ``tensorsocket-gpu`` cannot run here, or None when it can (a CUDA GPU, or the CPU
+    stand-in selected by ``TENSORSOCKET_FAKE_CUDA=1``)."""
+    if os.environ.get(FAKE_CUDA) == "1":
+        return None
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return (
+            f"no CUDA GPU here (torch {torch.__version__}: torch.cuda.is_available() is False); "
+            f"{FAKE_CUDA}=1 runs it on the CPU stand-in"
+        )
+    return None
+
+
+def _rep(rep: int, repeat: int) -> dict[str, Any]:
+    return {"run": rep + 1, "of": repeat} if repeat > 1 else {}
 
 
 def _not_run(system: str, n: int, why: str) -> dict[str, Any]:
@@ -544,36 +613,69 @@ def verdict(run: dict[str, Any]) -> str:
     return f"not exact{share}"
 
 
+def _median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return round(statistics.median(known), 1) if known else None
+
+
+def _group_verdict(group: list[dict[str, Any]]) -> str:
+    """The verdict of one (system, N) over its repeats: exact only if every run was."""
+    verdicts = [verdict(r) for r in group]
+    bad = [v for v in verdicts if v != "exact"]
+    if not bad or len(group) == 1:
+        return verdicts[0]
+    if len(bad) == len(group) and len(set(bad)) == 1:
+        return bad[0]
+    return f"{bad[0]}; {len(bad)} of {len(group)} runs"
+
+
 def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per trainer count: each system's per-trainer rate and the ratios the README quotes."""
-    by = {(r["system"], r["trainers"]): r for r in runs}
-    alone = by.get((LOADER_ALONE, 1), {}).get("per_trainer_samples_per_s")
+    """One row per trainer count: each system's per-trainer rate (the median over its repeats,
+    every repeat's rate beside it) and the ratios the README quotes."""
+    by: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in runs:
+        by.setdefault((r["system"], r["trainers"]), []).append(r)
+    alone = _median([r.get("per_trainer_samples_per_s") for r in by.get((LOADER_ALONE, 1), [])])
     rows = []
     for n in sorted({r["trainers"] for r in runs if r["system"] in SYSTEMS}):
         row: dict[str, Any] = {"trainers": n}
         for system in SYSTEMS:
-            r = by.get((system, n))
-            if r is not None:
-                row[system] = r["per_trainer_samples_per_s"]
-                row[f"{system}_ok"] = verdict(r)
-        ours = row.get("tensorsocket")
-        if ours and row.get("independent"):
-            row["vs_independent"] = round(ours / row["independent"], 2)
-        if ours and row.get(UPSTREAM) and not by[(UPSTREAM, n)]["stalled"]:  # no ratio to a stall
+            group = by.get((system, n))
+            if group:
+                row[system] = _median([r.get("per_trainer_samples_per_s") for r in group])
+                row[f"{system}_ok"] = _group_verdict(group)
+                if len(group) > 1:
+                    row[f"{system}_runs"] = [r.get("per_trainer_samples_per_s") for r in group]
+        ours, independent, gpu = row.get("tensorsocket"), row.get("independent"), row.get(GPU_SYSTEM)
+        if ours and independent:
+            row["vs_independent"] = round(ours / independent, 2)
+        stalled = any(r.get("stalled") for r in by.get((UPSTREAM, n), []))
+        if ours and row.get(UPSTREAM) and not stalled:  # no ratio to a stall
             row["vs_0.0.5"] = round(ours / row[UPSTREAM], 2)
         if ours and alone:
             row["gap_to_loader_pct"] = round(100 * (1 - ours / alone), 1)
+        if gpu and independent:
+            row["gpu_vs_independent"] = round(gpu / independent, 2)
+        if gpu and ours:
+            row["gpu_vs_host_path"] = round(gpu / ours, 2)
+        if gpu and alone:
+            row["gpu_gap_to_loader_pct"] = round(100 * (1 - gpu / alone), 1)
         rows.append(row)
     return rows
 
 
 def table(result: dict[str, Any]) -> str:
-    """The summary as a Markdown table (what the README shows)."""
-    lines = [
-        "| trainers | independent DataLoaders | tensorsocket | PyPI tensorsocket 0.0.5 | vs independent | vs 0.0.5 "
-        "| gap to the loader alone |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
+    """The summary as a Markdown table (what the README shows). The GPU path's columns appear
+    when it was asked for."""
+    gpu = any(GPU_SYSTEM in row for row in result["summary"])
+    head = "| trainers | independent DataLoaders | tensorsocket |"
+    head += " tensorsocket, GPU path |" if gpu else ""
+    head += " PyPI tensorsocket 0.0.5 | vs independent | vs 0.0.5 | gap to the loader alone |"
+    head += " GPU path vs independent | GPU path vs host path |" if gpu else ""
+    lines = [head, "| ---: |" + " ---: |" * (head.count("|") - 2)]
+    repeat = result.get("config", {}).get("repeat", 1)
+    if repeat > 1:
+        lines.insert(0, f"Samples/s per trainer: the median of {repeat} runs each.\n")
 
     def cell(row: dict[str, Any], system: str) -> str:
         rate = row.get(system)
@@ -581,15 +683,19 @@ def table(result: dict[str, Any]) -> str:
         text = "not run" if rate is None else f"{rate:.0f}"
         return text if ok in ("exact", "") or rate is None else f"{text} ({ok})"
 
+    def ratio(row: dict[str, Any], key: str) -> str:
+        return f"{row[key]:.2f}x" if key in row else ""
+
     for row in result["summary"]:
-        ratio = [f"{row[k]:.2f}x" if k in row else "" for k in ("vs_independent", "vs_0.0.5")]
-        if not ratio[1] and row.get(f"{UPSTREAM}_ok", "").startswith("stalled"):
-            ratio[1] = "(0.0.5 stalled)"
+        versus = ratio(row, "vs_0.0.5")
+        if not versus and row.get(f"{UPSTREAM}_ok", "").startswith("stalled"):
+            versus = "(0.0.5 stalled)"
         gap = f"{row['gap_to_loader_pct']:.1f}%" if "gap_to_loader_pct" in row else ""
-        lines.append(
-            f"| {row['trainers']} | {cell(row, 'independent')} | {cell(row, 'tensorsocket')} | {cell(row, UPSTREAM)} "
-            f"| {ratio[0]} | {ratio[1]} | {gap} |"
-        )
+        cells = [str(row["trainers"]), cell(row, "independent"), cell(row, "tensorsocket")]
+        cells += [cell(row, GPU_SYSTEM)] if gpu else []
+        cells += [cell(row, UPSTREAM), ratio(row, "vs_independent"), versus, gap]
+        cells += [ratio(row, "gpu_vs_independent"), ratio(row, "gpu_vs_host_path")] if gpu else []
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -601,16 +707,22 @@ def resources_table(result: dict[str, Any]) -> str:
     )
     head += " GPU MiB |" if gpu else ""
     lines = [head + " wall s | every batch once |", "| ---: | --- |" + " ---: |" * (5 + gpu) + " --- |"]
+    shown_not_run = set()
     for r in result["runs"]:
+        system = r["system"] + (f" (run {r['run']})" if "run" in r else "")
         if r.get("per_trainer_samples_per_s") is None:
-            lines.append(f"| {r['trainers']} | {r['system']} |" + " |" * (5 + gpu) + f" {verdict(r)} |")
+            if (r["system"], r["trainers"]) in shown_not_run:
+                continue  # the same reason for every repeat
+            shown_not_run.add((r["system"], r["trainers"]))
+            why = "; ".join(r["problems"]) if verdict(r) == "not run" else verdict(r)
+            lines.append(f"| {r['trainers']} | {r['system']} |" + " |" * (5 + gpu) + f" {why} |")
             continue
         cells = [f"{r['per_trainer_samples_per_s']:.1f}", f"{r['cpu_s']:.1f}", f"{r['peak_rss_mib']:.0f}",
                  f"{r['peak_pss_mib']:.0f}"]  # fmt: skip
         if gpu:
             cells.append("" if r["peak_gpu_mib_over_idle"] is None else f"{r['peak_gpu_mib_over_idle']:.0f}")
         cells += [f"{r['wall_s']:.1f}", "yes" if r["exact"] else verdict(r)]
-        lines.append(f"| {r['trainers']} | {r['system']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {r['trainers']} | {system} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -625,7 +737,7 @@ def plot(result: dict[str, Any], path: Path) -> Path | None:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.5))
     counts = [row["trainers"] for row in result["summary"]]
-    for system, style in zip(SYSTEMS, ("s-", "o-", "^-"), strict=True):
+    for system, style in zip(SYSTEMS, ("s-", "o-", "D-", "^-"), strict=True):
         points = [
             (row["trainers"], row.get(system)) for row in result["summary"] if row.get(system) is not None
         ]
@@ -637,8 +749,8 @@ def plot(result: dict[str, Any], path: Path) -> Path | None:
                 ax.annotate(row[f"{system}_ok"].replace(" samples", "").replace("not exact, ", "got "),
                             (row["trainers"], row[system]), textcoords="offset points", xytext=(4, 6),
                             fontsize=8)  # fmt: skip
-    alone = next(
-        (r["per_trainer_samples_per_s"] for r in result["runs"] if r["system"] == LOADER_ALONE), None
+    alone = _median(
+        [r.get("per_trainer_samples_per_s") for r in result["runs"] if r["system"] == LOADER_ALONE]
     )
     if alone:
         ax.axhline(
@@ -684,6 +796,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--workers", type=int, default=2, help="worker processes per DataLoader")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds before a run counts as stalled")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run every (system, N) this many times; the summary quotes the median",
+    )
     parser.add_argument("--cpus", type=int, help="run everything on this many CPU cores (default: all)")
     parser.add_argument("--upstream-venv", type=Path, help="where to put tensorsocket 0.0.5's environment")
     parser.add_argument(
@@ -724,11 +842,19 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:
         parser.error(f"--systems: unknown {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
+    if args.repeat < 1:
+        parser.error(f"--repeat must be a positive integer, got {args.repeat}")
     if args.cpus is not None and not 1 <= args.cpus <= len(os.sched_getaffinity(0)):
         parser.error(f"--cpus must be between 1 and {len(os.sched_getaffinity(0))}, got {args.cpus}")
+
+    def progress(partial: dict[str, Any]) -> None:  # the JSON so far, in case we are stopped
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"{result_stem(partial, args.tag)}.json").write_text(json.dumps(partial, indent=2) + "\n")
+
     result = run(
         counts, systems, args.step_ms, args.images, args.epochs, args.workers, args.timeout, args.cpus,
         args.upstream_venv, args.upstream_wheels, args.upstream_producer_batch_size, args.model,
+        repeat=args.repeat, progress=None if args.no_write else progress,
     )  # fmt: skip
     print()
     print(table(result))

@@ -1,4 +1,4 @@
-"""The processes of ``benchmarks.compare``: trainers and producers of the three systems.
+"""The processes of ``benchmarks.compare``: trainers and producers of its systems.
 
 Run as a script (``python benchmarks/compare_roles.py ROLE ...``), never as ``-m``, from a
 directory outside the repository. Why: the PyPI ``tensorsocket`` 0.0.5 roles run under
@@ -9,8 +9,9 @@ version it got.
 
 Every trainer runs the same loop (:func:`train`): for each epoch, take the batches, check
 their shape, fingerprint them (so the orchestrator can tell whether every trainer of a
-shared system saw the same batches, each once), copy them to the GPU when there is one, and
-simulate a training step of ``--step-ms``. It writes its report as JSON to ``--report``
+shared system saw the same batches, each once), copy them to the GPU when there is one (a
+no-op for the GPU path's batches, which are there already), and simulate a training step of
+``--step-ms``. It writes its report as JSON to ``--report``
 every half second and at the end, so a trainer that stalls and is killed still says what it
 got.
 """
@@ -160,27 +161,43 @@ def role_loader_trainer(args: argparse.Namespace) -> None:
     train(loader, args.epochs, args.step_ms / 1000, report, args.model)
 
 
+def _ts_system(device: str) -> str:
+    return "tensorsocket" if device == "cpu" else "tensorsocket-gpu"
+
+
 def role_ts_producer(args: argparse.Namespace) -> None:
+    """This repository's producer; ``--device cuda:0`` keeps the batches in GPU memory."""
     import tensorsocket
 
     loader = _loader(args, seed=0)
-    report = Report(args.report, system="tensorsocket", version=tensorsocket.__version__, producer=True)
-    producer = tensorsocket.Producer(loader, name=args.name, slots=8, min_consumers=args.trainers, replay=0)
+    report = Report(
+        args.report, system=_ts_system(args.device), version=tensorsocket.__version__, producer=True,
+        device=args.device,
+    )  # fmt: skip
+    producer = tensorsocket.Producer(
+        loader, name=args.name, device=args.device, slots=8, min_consumers=args.trainers, replay=0
+    )
+    cpu0 = time.process_time()
     with producer:
         producer.serve(epochs=args.epochs)
         status = producer.status()
+    report.data["main_process_cpu_s"] = time.process_time() - cpu0
     report.data.update(
-        {k: status[k] for k in ("published", "loader_wait", "slot_wait", "publish_time", "slot_bytes")}
+        {k: status.get(k) for k in ("published", "loader_wait", "slot_wait", "publish_time", "slot_bytes")}
     )
     report.data["complete"] = True
     report.write(force=True)
 
 
 def role_ts_trainer(args: argparse.Namespace) -> None:
+    """This repository's consumer; ``--device cuda:0`` yields views of the producer's GPU memory."""
     import tensorsocket
 
-    report = Report(args.report, system="tensorsocket", version=tensorsocket.__version__, rank=args.rank)
-    with tensorsocket.Consumer(name=args.name, timeout=60) as consumer:
+    report = Report(
+        args.report, system=_ts_system(args.device), version=tensorsocket.__version__, rank=args.rank,
+        device=args.device,
+    )  # fmt: skip
+    with tensorsocket.Consumer(name=args.name, device=args.device, timeout=60) as consumer:
         report.data["len"] = len(consumer)
         train(consumer, args.epochs, args.step_ms / 1000, report, args.model)
 
@@ -260,6 +277,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--trainers", type=int, default=1)
     parser.add_argument("--name", help="tensorsocket producer name")
+    parser.add_argument(
+        "--device", default="cpu", help="tensorsocket's device for producer and trainers (cpu, cuda:0)"
+    )
     parser.add_argument("--port", type=int, help="first of the four ports tensorsocket 0.0.5 uses")
     parser.add_argument(
         "--producer-batch-size", type=int, default=8, help="tensorsocket 0.0.5's (its default: 8)"

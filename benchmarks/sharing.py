@@ -200,10 +200,13 @@ def machine() -> dict[str, Any]:
     }
 
 
-def write(result: dict[str, Any], name: str) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
+def write(result: dict[str, Any], name: str, tag: str | None = None, folder: Path | None = None) -> Path:
+    """Write ``result`` to ``<folder>/<name>-<tag>-<date>.json`` (default: benchmarks/results and
+    the host name); return the path."""
+    folder = folder or RESULTS
+    folder.mkdir(parents=True, exist_ok=True)
     day = result["date"][:10]
-    path = RESULTS / f"{name}-{platform.node() or 'host'}-{day}.json"
+    path = folder / f"{name}-{tag or platform.node() or 'host'}-{day}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     return path
 

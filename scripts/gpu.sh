@@ -1,27 +1,99 @@
 #!/usr/bin/env bash
-# On a GPU machine, in one call: the GPU test suite, the CUDA IPC benchmark, a GPU demo run and
-# the side-by-side benchmark (4 trainers training ResNet-18 on 4 CPU cores: independent
-# DataLoaders, tensorsocket, PyPI tensorsocket 0.0.5); everything lands in $OUT (default
-# ./gpu-results): the GPU's name, the test log and JUnit XML, the benchmarks' JSON and plot, logs.
-# Wheels for what the machine lacks (pyzmq) may be put in .whl/ (see the device notes), and
-# tensorsocket 0.0.5 + tornado in .whl/upstream/ (installed only into 0.0.5's own environment).
+# On a GPU machine, in one call, each step after the other, a failing step not stopping the rest:
+#
+#   step          what                                                          estimate (H100, 16 cores)
+#   install       .whl/*.whl (pyzmq: the image lacks it) into /tmp/site         ~5 s
+#   gpu           nvidia-smi: the GPU's name, driver, memory                    ~1 s
+#   gpu-tests     pytest -m gpu tests/ (the GPU-marked tests)                   ~60 s (limit 150 s)
+#   cuda-tests    pytest of the CUDA-path test files in CUDA_PATH_TESTS, with   ~90 s (limit 150 s)
+#                 TENSORSOCKET_GPU_REAL=1 (the real backend, not the stand-in)
+#   gpu-path      python3 -m benchmarks.gpu_path: next() latency, publish      ~75 s (limit 150 s)
+#                 latency vs a pinned host-to-device copy, producer CPU, GPU
+#                 memory per consumer (JSON into $OUT)
+#   cuda-ipc      python3 -m benchmarks.cuda_ipc (JSON into $OUT)               ~15 s (limit 60 s)
+#   compare       python3 -m benchmarks.compare: 4 trainers training ResNet-18 ~200 s (the rest of the
+#                 on 4 CPU cores, 1024 images, 1 epoch, 3 runs each of          budget; 45 s per run at
+#                 independent, tensorsocket, tensorsocket-gpu, PyPI 0.0.5      most, partial JSON kept)
+#                 (+ the loader alone); JSON and plot into $OUT
+#
+# The whole script keeps to $GPU_SH_BUDGET seconds (default 540: the device tool allows 600 per
+# command); a step's limit is cut to what is left. $OUT (default ./gpu-results) gets at most 7
+# files: logs.tar.gz (every step's log, the JUnit XML of both test runs, nvidia-smi's answer),
+# steps.txt (each step's exit status and seconds), gpu_path-*.json, cuda_ipc-*.json, and the
+# compare benchmark's <gpu>-<date>.json and .png.
+#
+# Wheels: .whl/*.whl are installed into /tmp/site (pyzmq; see the device notes); .whl/upstream/
+# holds tensorsocket 0.0.5 and tornado, installed only into 0.0.5's own environment by compare.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+BUDGET=${GPU_SH_BUDGET:-540}
+LOGS=$(mktemp -d /tmp/gpu-sh-logs.XXXXXX)
+MARK="$LOGS/.start"
+touch "$MARK"
+export PYTHONUNBUFFERED=1
+
+# The non-gpu-marked test files that exercise the CUDA path, run again on the real CUDA backend
+# (TENSORSOCKET_GPU_REAL=1); space-separated paths, e.g. "tests/test_device_backend.py".
+CUDA_PATH_TESTS="tests/test_cuda_path.py"
+
+failed=()
+step() { # step NAME LIMIT_S COMMAND...: run it under a time limit, log into $LOGS/NAME.log
+    local name=$1 limit=$2
+    shift 2
+    local left=$((BUDGET - SECONDS))
+    ((limit > left)) && limit=$left
+    if ((limit < 15)); then
+        echo "== $name: not run, the ${BUDGET} s budget is spent" | tee -a "$LOGS/steps.txt"
+        failed+=("$name")
+        return
+    fi
+    echo "== $name (limit ${limit} s, at ${SECONDS} s): $*"
+    local t0=$SECONDS rc=0
+    timeout -k 10 "$limit" "$@" >"$LOGS/$name.log" 2>&1 || rc=$?
+    tail -n 30 "$LOGS/$name.log"
+    local note=""
+    ((rc == 124 || rc == 137)) && note=" (stopped at its ${limit} s limit)"
+    echo "== $name: exit $rc$note, $((SECONDS - t0)) s (elapsed ${SECONDS} s)" | tee -a "$LOGS/steps.txt"
+    ((rc == 0)) || failed+=("$name")
+}
+
 if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    step install 120 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site
 fi
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.csv"
-status=0
-python3 -m pytest -q -p no:cacheprovider -m gpu tests/ --junitxml="$OUT/gpu-tests.xml" 2>&1 | tee "$OUT/gpu-tests.log" || status=1
-python3 -m benchmarks.cuda_ipc 2>&1 | tail -20 || status=1
-cp benchmarks/results/cuda_ipc-*.json "$OUT/" 2>/dev/null
-python3 scripts/demo.py --images 256 --epochs 1 2>&1 | tail -12 | tee "$OUT/demo.log" || status=1
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
+
+step gpu 30 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+cp "$LOGS/gpu.log" "$LOGS/gpu.csv" 2>/dev/null
+
+step gpu-tests 200 python3 -m pytest -v -p no:cacheprovider --timeout 90 -m gpu tests/ --junitxml="$LOGS/gpu-tests.xml"
+
+if [[ -n "${CUDA_PATH_TESTS// /}" ]]; then
+    # shellcheck disable=SC2086  # a list of paths
+    step cuda-tests 150 env TENSORSOCKET_GPU_REAL=1 python3 -m pytest -q -p no:cacheprovider -m "not gpu" \
+        $CUDA_PATH_TESTS --junitxml="$LOGS/cuda-tests.xml"
+else
+    echo "== cuda-tests: not run, CUDA_PATH_TESTS is empty" | tee -a "$LOGS/steps.txt"
+fi
+
+step gpu-path 150 python3 -m benchmarks.gpu_path --out "$OUT"
+
+step cuda-ipc 60 python3 -m benchmarks.cuda_ipc
+find benchmarks/results -name 'cuda_ipc-*.json' -newer "$MARK" -exec cp {} "$OUT/" \;
+
 upstream=()
 if ls .whl/upstream/*.whl >/dev/null 2>&1; then upstream=(--upstream-wheels .whl/upstream); fi
-python3 -m benchmarks.compare --trainers 1,4 --model resnet18 --cpus 4 "${upstream[@]}" --out "$OUT" \
-    2>&1 | tee "$OUT/compare.log" || status=1
-exit $status
+step compare $((BUDGET - SECONDS - 5)) python3 -m benchmarks.compare --trainers 4 --model resnet18 --cpus 4 \
+    --repeat 3 --images 1024 --epochs 1 --timeout 45 \
+    --systems independent,tensorsocket,tensorsocket-gpu,tensorsocket-0.0.5 "${upstream[@]}" --out "$OUT"
+
+cp "$LOGS/steps.txt" "$OUT/steps.txt"
+tar -czf "$OUT/logs.tar.gz" -C "$LOGS" --exclude .start .
+rm -rf "$LOGS"
+echo "== done in ${SECONDS} s; failed: ${failed[*]:-none}; files in $OUT:"
+ls -la "$OUT"
+((${#failed[@]} == 0))

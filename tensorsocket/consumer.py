@@ -28,7 +28,6 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import zmq
 
@@ -39,8 +38,7 @@ from .flow import LateJoin
 from .host import boot_id, pid_alive, pid_namespace, same_host
 from .protocol import Kind
 from .rebatch import Rebatcher, batch_length, batches_per_epoch
-from .transport import ArenaMap
-from .transport.shm import ArenaInfo
+from .transport import Reader, open_reader, parse_device
 from .wakeup import Wakeup, stop_loop
 
 log = logging.getLogger("tensorsocket")
@@ -67,7 +65,10 @@ class Consumer:
     epoch is partial). ``prefetch`` bounds the batches this consumer holds or has queued
     (default and maximum: the producer's slots). ``timeout`` is how long the producer may
     stay silent before :class:`ProducerLost` is raised, and how long this consumer may stay
-    silent before the producer evicts it.
+    silent before the producer evicts it. ``stream`` (GPU batches only): the CUDA stream your
+    work on the batches is queued on, when it is not the current stream at ``next()``; a
+    batch's memory is released to the producer only after the work queued there before its
+    last view died has run.
     """
 
     def __init__(
@@ -83,6 +84,7 @@ class Consumer:
         drop_last: bool = False,
         late_join: str = "replay",
         label: str | None = None,
+        stream: Any = None,
     ) -> None:
         if not isinstance(timeout, (int, float)) or not 0.05 <= timeout <= 86400:
             raise ValueError(f"timeout must be a number of seconds in [0.05, 86400], got {timeout!r}")
@@ -103,11 +105,9 @@ class Consumer:
             raise ValueError(
                 "drop_last needs a batch_size: without one the producer's batches arrive as they are"
             )
-        try:
-            self.device = torch.device(device)
-        except (RuntimeError, TypeError):
-            raise ValueError(f"device={device!r} is not a torch device") from None
+        self.device = parse_device(device)
         self.endpoint = endpoints.resolve(name, endpoint)
+        self.stream = stream
         self.copy = copy
         self.timeout = float(timeout)
         self.label = label if label is not None else f"pid {os.getpid()}"
@@ -131,7 +131,7 @@ class Consumer:
         self._io_tick = time.monotonic()  # when the I/O thread's poll last returned
         self._synced = threading.Event()  # cleared after a freeze until the producer answers
         self._synced.set()
-        self._arenas = ArenaMap()
+        self._reader: Reader | None = None  # made once WELCOME says which transport
         self._ready: collections.deque[Any] = collections.deque()  # re-cut batches not yet yielded
         self._stop_pending = False  # the epoch ended after the batches in _ready
         self.skipped = 0  # batches the producer moved this consumer past (stragglers="skip")
@@ -169,8 +169,9 @@ class Consumer:
         self._producer_pid = welcome["pid"]
         self._producer_local = same_host(welcome["boot_id"], welcome["pidns"])
         self._heartbeat = min(welcome["heartbeat"], self.timeout / 4)
+        self._reader = open_reader(welcome["transport"], welcome["gpu"], self.device, self.stream)
         for arena in welcome["arenas"]:
-            self._arenas.announce(ArenaInfo(*arena))
+            self._reader.announce(arena)
         self._io = threading.Thread(
             target=_io_thread,
             args=(weakref.ref(self), self._socket, self._stop, self.endpoint),
@@ -211,6 +212,13 @@ class Consumer:
         return _EpochIterator(self)
 
     @property
+    def delivery(self) -> str:
+        """ "views" (batches are views of the producer's memory: zero copy) or "copy" (copied
+        to this consumer's device: a GPU other than the producer's, or the host)."""
+        assert self._reader is not None
+        return self._reader.delivery
+
+    @property
     def finished(self) -> bool:
         """True once the producer ended the stream and this consumer saw the end."""
         return self._ended
@@ -231,7 +239,8 @@ class Consumer:
                 self._queue.get_nowait()
             except queue.Empty:
                 break
-        self._arenas.close()
+        if self._reader is not None:
+            self._reader.close()
 
     def __enter__(self) -> Consumer:
         return self
@@ -289,10 +298,13 @@ class Consumer:
             if self._error is not None:  # evicted while this batch waited in the queue
                 raise self._error
             self._mid_epoch = True
-            batch, epoch, index, seq = payload
+            batch, epoch, index, seq, token, release = payload
             # Counted as held from here (not when built): the hoarding check must not count a
-            # batch the I/O thread is still building or queueing.
-            self._live.add(seq)
+            # batch the I/O thread is still building or queueing. A batch delivered as a copy
+            # dropped its views in the I/O thread already: it holds nothing.
+            if release.alive:
+                self._live.add(seq)
+                self._reader.handed_out(token)
             if self._first_batch:
                 self._first_batch = False
                 if index:
@@ -505,11 +517,12 @@ class Consumer:
             try:
                 kind, msg = protocol.decode(frame, protocol.MAX_REPLY_BYTES)
                 if kind is Kind.BATCH:
-                    self._queue.put((_BATCH, (self._build(msg), msg["epoch"], msg["index"], msg["seq"])))
+                    batch, token, release = self._build(msg)
+                    self._queue.put((_BATCH, (batch, msg["epoch"], msg["index"], msg["seq"], token, release)))
                 elif kind is Kind.SKIPPED:
                     self._queue.put((_SKIPPED, msg["count"]))
                 elif kind is Kind.ARENA:
-                    self._arenas.announce(ArenaInfo(*msg["arena"]))
+                    self._reader.announce(msg["arena"])
                 elif kind is Kind.EPOCH_END:
                     self._queue.put((_EPOCH_END, msg["epoch"]))
                 elif kind is Kind.END:
@@ -541,35 +554,25 @@ class Consumer:
                 self._fail(ProtocolError(f"bad message from the producer at {self.endpoint}: {exc}"))
                 return False
 
-    def _build(self, msg: dict[str, Any]) -> Any:
-        slot = msg["slot"]
-        tree, leaves = layout.check(msg["layout"], self._arenas.size(slot))
+    def _build(self, msg: dict[str, Any]) -> tuple[Any, Any, weakref.finalize]:
+        """The user's batch from a BATCH message, the lease's token and its release finalizer."""
+        reader, place, seq = self._reader, msg["place"], msg["seq"]
+        tree, leaves = layout.check(msg["layout"], reader.size(place))
         nbytes = msg["layout"][2]
-        region = self._arenas.region(slot, nbytes)
-        seq = msg["seq"]
-        # The finalizer keeps the mapping (not the region) so the release check reads the
-        # very memory this batch lived in.
+        lease = reader.lease(place, nbytes)
+        item = (seq, lease.token, nbytes, msg["fingerprint"], msg["epoch"], msg["index"])
         release = weakref.finalize(
-            region,
-            _release_later,
-            self._live,
-            self._released,
-            self._wakeup,
-            (seq, region.base, nbytes, msg["fingerprint"], msg["epoch"], msg["index"]),
+            lease.owner, _release_later, self._live, self._released, self._wakeup, reader, item
         )
         release.atexit = False
-        copy = self.copy or self.device.type != "cpu"
-        batch = layout.build(tree, leaves, region, copy=copy)
-        if self.device.type != "cpu":
-            batch = _to_device(batch, self.device)
-        return batch
+        batch = reader.deliver(layout.build(tree, leaves, lease.region), copy=self.copy)
+        return batch, lease.token, release
 
     def _send_releases(self) -> bool:
         seqs = []
         while self._released:
-            seq, mapping, nbytes, fingerprint, epoch, index = self._released.popleft()
-            region = np.frombuffer(mapping, dtype=np.uint8, count=nbytes)
-            if fingerprint is not None and layout.fingerprint(region) != fingerprint:
+            seq, token, nbytes, fingerprint, epoch, index = self._released.popleft()
+            if fingerprint is not None and self._reader.fingerprint(token, nbytes) != fingerprint:
                 self._report_modified(seq, epoch, index)
             seqs.append(seq)
         if not seqs:
@@ -609,13 +612,18 @@ def _send_quietly(sock: zmq.Socket, frame: bytes) -> None:
 
 
 def _release_later(
-    live: set[int], released: collections.deque[Any], wakeup: Wakeup, item: tuple[Any, ...]
+    live: set[int], released: collections.deque[Any], wakeup: Wakeup, reader: Reader, item: tuple[Any, ...]
 ) -> None:
     """A batch's finalizer: runs in whichever thread dropped its last view. It must not touch
-    the socket, and it references no Consumer, so a dropped Consumer can be collected."""
+    the socket, and it references no Consumer, so a dropped Consumer can be collected. The
+    reader calls back once the region may be released (on a GPU: after the work queued on it)."""
     live.discard(item[0])
-    released.append(item)
-    wakeup.wake()
+
+    def ready() -> None:
+        released.append(item)
+        wakeup.wake()
+
+    reader.retire(item[1], ready)
 
 
 def _io_thread(ref: weakref.ref[Consumer], sock: zmq.Socket, stop: threading.Event, endpoint: str) -> None:
@@ -646,18 +654,6 @@ def _io_thread(ref: weakref.ref[Consumer], sock: zmq.Socket, stop: threading.Eve
             consumer._fail(ProducerLost(f"consumer I/O failed: {type(exc).__name__}: {exc}"))
     finally:
         sock.close(linger=100)
-
-
-def _to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, tuple):
-        return tuple(_to_device(b, device) for b in batch)
-    if isinstance(batch, list):
-        return [_to_device(b, device) for b in batch]
-    if isinstance(batch, dict):
-        return {k: _to_device(v, device) for k, v in batch.items()}
-    return batch
 
 
 class _EpochIterator:

@@ -10,8 +10,8 @@ before any view is made from it: a hostile layout raises ProtocolError, never se
 
 from __future__ import annotations
 
+import functools
 import re
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,24 +149,42 @@ def plan(batch: Any) -> Plan:
 def write(p: Plan, arena: torch.Tensor) -> None:
     """Copy every leaf of ``p`` into ``arena`` (a flat uint8 tensor at least p.nbytes long)."""
     for leaf, src in zip(p.leaves, p.sources, strict=True):
-        if leaf.nbytes == 0:
-            continue
-        dst = arena[leaf.offset : leaf.offset + leaf.nbytes]
-        if isinstance(src, np.ndarray):
-            dst.numpy()[:] = src.reshape(-1).view(np.uint8)
-        else:
-            dst.copy_(src.reshape(-1).view(torch.uint8))
+        if leaf.nbytes:
+            # One path for host and device arenas: copy_ goes host to host, host to device or
+            # device to device as the two tensors' devices say (on the current stream).
+            arena[leaf.offset : leaf.offset + leaf.nbytes].copy_(leaf_bytes(src))
 
 
-def fingerprint(region: np.ndarray) -> int:
-    """A cheap sampled checksum of a batch's bytes (at most ~1 KiB read), same on both sides.
+def leaf_bytes(src: torch.Tensor | np.ndarray) -> torch.Tensor:
+    """A planned leaf's bytes as a flat uint8 tensor (a view: plan() made sources contiguous)."""
+    if isinstance(src, np.ndarray):
+        return torch.from_numpy(src.reshape(-1).view(np.uint8))
+    return src.reshape(-1).view(torch.uint8)
+
+
+def fingerprint(region: torch.Tensor | np.ndarray) -> int:
+    """A cheap sampled checksum of a batch's bytes (at most ~1 KiB read), the same on host and
+    device: an integer weighted sum of bytes at an odd stride, so the producer can compute it
+    on its host staging buffer and a consumer on the GPU memory it read, with no false positive.
 
     Catches in-place ops that touch a whole tensor (normalisation, scaling); by design it
-    can miss a write to a few elements. The stride is odd so samples cover every byte lane.
+    can miss a write to a few elements. The stride is odd so samples cover every byte lane;
+    the weights differ per sample so moved bytes count too.
     """
     n = region.shape[0]
     stride = max(1, n // _FINGERPRINT_SAMPLES) | 1
-    return zlib.crc32(region[::stride].tobytes()) ^ (n % (1 << 32)) << 32
+    sampled = region[::stride]
+    if isinstance(sampled, np.ndarray):
+        total = int((sampled.astype(np.int64) * _weights(sampled.shape[0], None).numpy()).sum())
+    else:
+        total = int((sampled.to(torch.int64) * _weights(sampled.shape[0], sampled.device)).sum())
+    return total ^ (n % (1 << 32)) << 32
+
+
+@functools.lru_cache(maxsize=64)
+def _weights(count: int, device: torch.device | None) -> torch.Tensor:
+    # Below 2**16 each: a sum over <= 1025 samples of bytes stays far from int64 overflow.
+    return torch.arange(count, dtype=torch.int64, device=device) * 40503 % 65521 + 1
 
 
 def _itemsize(name: Any, numpy_leaf: bool) -> int:
@@ -253,31 +271,49 @@ def _check_tree(node: Any, n_leaves: int, kinds: dict[int, str], depth: int) -> 
         raise ProtocolError(f"layout tree has unknown tag {tag!r:.20}")
 
 
-def build(tree: Any, leaves: list[Leaf], region: np.ndarray, copy: bool = False) -> Any:
-    """Rebuild the batch from a checked layout as views of ``region`` (a uint8 array).
+def build(tree: Any, leaves: list[Leaf], region: torch.Tensor | np.ndarray, copy: bool = False) -> Any:
+    """Rebuild the batch from a checked layout as views of ``region`` (a flat uint8 tensor on
+    the host or a GPU; a NumPy uint8 array is taken as a host tensor).
 
-    Every view keeps ``region`` alive, so a finalizer on ``region`` fires exactly when the
-    last tensor or array derived from this batch dies. ``copy=True`` returns private copies
-    and keeps no reference to ``region``. NumPy leaves are marked read-only.
+    Every view keeps ``region`` alive, so a finalizer on the object that owns ``region``'s
+    memory fires exactly when the last tensor or array derived from this batch dies.
+    ``copy=True`` returns private copies and keeps no reference to ``region``. NumPy leaves
+    are marked read-only; from a GPU region they are host copies (NumPy lives on the host).
     """
-    base = torch.frombuffer(region, dtype=torch.uint8) if region.shape[0] else None
+    base = torch.from_numpy(region) if isinstance(region, np.ndarray) else region
+    on_host = base.device.type == "cpu"
 
     def leaf_value(tag: str, leaf: Leaf) -> Any:
+        raw = base[leaf.offset : leaf.offset + leaf.nbytes]
         if tag == TENSOR:
-            dtype = TORCH_DTYPES[leaf.dtype]
-            if leaf.nbytes == 0 or base is None:
-                return torch.empty(leaf.shape, dtype=dtype)
-            t = base[leaf.offset : leaf.offset + leaf.nbytes].view(dtype).view(leaf.shape)
+            if leaf.nbytes == 0:  # a zero-size slice has stride 0 and cannot be reinterpreted
+                return torch.empty(leaf.shape, dtype=TORCH_DTYPES[leaf.dtype], device=base.device)
+            t = raw.view(TORCH_DTYPES[leaf.dtype]).view(leaf.shape)
             return t.clone() if copy else t
-        raw = region[leaf.offset : leaf.offset + leaf.nbytes]
-        a = raw.view(np.dtype(leaf.dtype)).reshape(leaf.shape)
-        if copy:
+        if leaf.nbytes == 0:
+            raw = torch.empty(0, dtype=torch.uint8)
+        host = raw.numpy() if on_host else raw.cpu().numpy()
+        a = host.view(np.dtype(leaf.dtype)).reshape(leaf.shape)
+        if copy and on_host:
             a = a.copy()
-        else:
+        elif on_host:
             a.flags.writeable = False
         return a[()] if tag == NPSCALAR else a
 
     return _rebuild(tree, lambda tag, i: leaf_value(tag, leaves[i]))
+
+
+def map_tensors(batch: Any, fn: Any) -> Any:
+    """``batch`` with ``fn`` applied to every tensor leaf (same nesting; other leaves as they are)."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, tuple):
+        return tuple(map_tensors(b, fn) for b in batch)
+    if isinstance(batch, list):
+        return [map_tensors(b, fn) for b in batch]
+    if isinstance(batch, dict):
+        return {k: map_tensors(v, fn) for k, v in batch.items()}
+    return batch
 
 
 def _rebuild(node: list[Any], leaf: Any) -> Any:

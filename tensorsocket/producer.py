@@ -33,7 +33,7 @@ from .flow import Action, Deliver, Flow, LateJoin, Skipped
 from .host import boot_id, pid_alive, pid_namespace, same_host
 from .protocol import Kind
 from .rebatch import batch_length
-from .transport import SlotPool, sweep_stale
+from .transport import Store, open_store
 from .wakeup import Wakeup, stop_loop
 
 log = logging.getLogger("tensorsocket")
@@ -146,11 +146,6 @@ class Producer:
             max_lag = max(1, slots // 2) if type(slots) is int else 1
         if not isinstance(linger, (int, float)) or linger < 0:
             raise ValueError(f"linger must be a number of seconds >= 0, got {linger!r}")
-        if device != "cpu":
-            raise ValueError(
-                f"device={device!r}: this version shares batches through host shared memory "
-                "only; use device='cpu' (consumers can still move batches to their GPU)"
-            )
         self.loader = loader
         self.endpoint = endpoints.resolve(name, endpoint)
         self.slots = slots
@@ -171,8 +166,12 @@ class Producer:
         flow = Flow(window=slots, places=slots * (3 if stragglers == "skip" else 1), max_lag=max_lag)
 
         self._lock_file = endpoints.lock(self.endpoint)
-        sweep_stale()
-        self._pool = SlotPool(slots)
+        try:
+            self._store: Store = open_store(device)
+        except BaseException:
+            self._release_lock()
+            raise
+        self.device = self._store.device
         self._flow = flow
         self._replay_places = 0  # sized at the first batch, from its bytes
         self._peers: dict[Hashable, _Peer] = {}
@@ -213,6 +212,7 @@ class Producer:
         except zmq.ZMQError as exc:
             self._socket.close(0)
             self._wakeup.close()
+            self._store.close()
             self._closed = True  # nothing for the caller to close: no "not closed" warning
             self._release_lock()
             raise RuntimeError(f"cannot bind {self.endpoint}: {exc}") from None
@@ -221,7 +221,7 @@ class Producer:
         # If close() is never called (a script without `with` that raises): at exit, stop the
         # I/O thread before zmq is torn down under it (that aborts the process) and unlink.
         # The I/O thread keeps `self` alive, so __del__ would not run.
-        weakref.finalize(self, _stop_at_exit, self._stop, self._wakeup, self._io, self._pool)
+        weakref.finalize(self, _stop_at_exit, self._stop, self._wakeup, self._io, self._store)
         log.info("producer serving %s with %d slots", self.endpoint, slots)
 
     # ------------------------------------------------------------------ public API
@@ -300,7 +300,7 @@ class Producer:
             self._wakeup.wake()
             self._io.join(timeout=5.0)
             with self._changed:
-                self._pool.close()
+                self._store.close()
             self._wakeup.close()
             self._release_lock()
             log.info("producer on %s closed", self.endpoint)
@@ -360,13 +360,15 @@ class Producer:
         slot_wait = time.perf_counter() - t_slot
         slot = slot_box[0]
         try:
-            arena = self._pool.prepare(slot, plan.nbytes)  # slow for big arenas: not under the lock
+            arena = self._store.prepare(slot, plan.nbytes)  # slow for big arenas: not under the lock
             if arena is not None:
                 with self._changed:
-                    info = self._pool.install(arena)
-                    frame = protocol.encode(Kind.ARENA, arena=info.encode())
+                    frame = protocol.encode(Kind.ARENA, arena=self._store.install(arena))
                     self._outbox.extend((cid, frame) for cid in self._peers)
-            fingerprint = self._pool.write(slot, plan)
+            # Announce after completion: the BATCH goes out only once the bytes are where
+            # consumers read them (on a GPU, the copy's event fired), so no consumer ever
+            # waits on the producer's GPU work.
+            fingerprint = self._store.write(slot, plan).wait()
         except BaseException:
             with self._changed:
                 self._flow.cancel(slot)
@@ -381,7 +383,7 @@ class Producer:
                 seq=self._flow.next_seq,
                 epoch=self._flow.epoch,
                 index=self._index,
-                slot=slot,
+                place=slot,
                 layout=plan.encode(),
                 fingerprint=fingerprint,
             )
@@ -578,10 +580,7 @@ class Producer:
         if cid in self._peers:
             raise ProtocolError("HELLO from a consumer that already joined")
         local = same_host(msg["boot_id"], msg["pidns"])
-        if not local and msg["boot_id"] != boot_id():
-            raise ProtocolError(
-                "consumer runs on another host; host shared memory needs consumers on the producer's machine"
-            )
+        self._store.admit(msg, local)
         peer = _Peer(
             msg["label"], msg["pid"], float(msg["timeout"]), local, now, now, msg["device"], msg["batch_size"]
         )
@@ -596,7 +595,9 @@ class Producer:
             batches=self.batches_per_epoch,
             samples=self.samples_per_epoch,
             slots=self.slots,
-            arenas=[info.encode() for info in self._pool.arenas()],
+            transport=self._store.kind,
+            gpu=self._store.gpu,
+            arenas=self._store.describe(),
             heartbeat=self._heartbeat_interval(peer),
         )
         self._outbox.append((cid, welcome))
@@ -664,7 +665,9 @@ class Producer:
             "replay_places": self._replay_places,
             "replay_budget_bytes": self.replay,
             "resident_batches": self._flow.resident(),
-            "slot_bytes": self._pool.bytes,
+            "slot_bytes": self._store.bytes,
+            "transport": self._store.kind,
+            "device": self.device,
             "stragglers": self.stragglers,
             "max_lag": self.max_lag,
             "epoch": self._flow.epoch,
@@ -724,9 +727,9 @@ def _samples_per_epoch(loader: Any) -> int | None:
     return None
 
 
-def _stop_at_exit(stop: threading.Event, wakeup: Wakeup, thread: threading.Thread, pool: SlotPool) -> None:
+def _stop_at_exit(stop: threading.Event, wakeup: Wakeup, thread: threading.Thread, store: Store) -> None:
     stop_loop(stop, wakeup, thread)
-    pool.close()
+    store.close()
 
 
 class _EpochPublisher:

@@ -16,7 +16,7 @@ import msgpack
 
 from .errors import ProtocolError
 
-VERSION = 2
+VERSION = 3
 #: Largest frame a consumer may send; the producer also sets ZMQ_MAXMSGSIZE to this.
 MAX_REQUEST_BYTES = 64 * 1024
 #: Largest frame a producer may send (a BATCH whose layout has very many leaves).
@@ -26,6 +26,8 @@ MAX_RELEASE_SEQS = 4096
 _MAX_INT = 2**63 - 1
 #: A consumer's late-join policies (tensorsocket.flow.LateJoin values).
 LATE_JOIN = ("replay", "next_epoch", "now")
+#: Where batches live: host shared memory or GPU memory shared by CUDA IPC.
+TRANSPORTS = ("shm", "cuda")
 
 
 class Kind(str, Enum):
@@ -77,13 +79,8 @@ def _any(v: Any) -> bool:
 
 
 def _arena(v: Any) -> bool:
-    return (
-        type(v) is list
-        and len(v) == 3
-        and _int(0, 1 << 16)(v[0])
-        and _str(255)(v[1])
-        and _int(0, 1 << 48)(v[2])
-    )
+    # [transport, place, ...]: the rest is decoded, strictly, by that transport's reader.
+    return type(v) is list and 2 <= len(v) <= 8 and v[0] in TRANSPORTS and _int(0, 1 << 16)(v[1])
 
 
 # Required fields per kind and the check each value must pass. Layout trees and status
@@ -108,6 +105,8 @@ SCHEMA: dict[Kind, dict[str, Callable[[Any], bool]]] = {
         "batches": _opt(_int()),
         "samples": _opt(_int()),
         "slots": _int(1, 1 << 16),
+        "transport": lambda v: v in TRANSPORTS,
+        "gpu": _opt(_str(96)),
         "arenas": lambda v: type(v) is list and len(v) <= 1 << 16 and all(map(_arena, v)),
         "heartbeat": _num(0.001, 3600.0),
     },
@@ -116,7 +115,7 @@ SCHEMA: dict[Kind, dict[str, Callable[[Any], bool]]] = {
         "seq": _int(),
         "epoch": _int(),
         "index": _int(),
-        "slot": _int(0, 1 << 16),
+        "place": _int(0, 1 << 16),
         "layout": _any,
         "fingerprint": _opt(_int(0, 2**64 - 1)),
     },

@@ -67,6 +67,7 @@ def same(a: Any, b: Any) -> bool:
     if type(a) is not type(b):
         return False
     if isinstance(a, torch.Tensor):
+        a, b = a.cpu(), b.cpu()  # a GPU consumer's batch against the loader's host batch
         return (
             a.dtype == b.dtype
             and a.shape == b.shape

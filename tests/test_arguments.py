@@ -10,9 +10,11 @@ import threading
 from typing import Any
 
 import pytest
+import torch
 
 from tensorsocket import Consumer, Producer, ProducerLost
 from tensorsocket.endpoint import ENV, resolve, runtime_dir
+from tensorsocket.transport.gpu_topology import GpuPathError
 from tests.support import NestedLoader, expected_batch, join_or_fail, same
 
 
@@ -61,8 +63,9 @@ class Serving:
         ({"min_consumers": 0}, ValueError, ["min_consumers"]),
         ({"min_consumers": "1"}, ValueError, ["min_consumers"]),
         ({"linger": -1}, ValueError, ["linger"]),
-        ({"device": "cuda:0"}, ValueError, ["device", "cuda:0"]),
-        ({"device": "cuda"}, ValueError, ["device"]),
+        ({"device": "tpu"}, ValueError, ["device", "tpu"]),
+        ({"device": "cuda:x"}, ValueError, ["device", "cuda:x"]),
+        ({"device": 3.5}, ValueError, ["device"]),
         ({"replay": -1}, ValueError, ["replay"]),
         ({"replay": 1.5}, ValueError, ["replay"]),
         ({"replay": "1G"}, ValueError, ["replay"]),
@@ -80,6 +83,21 @@ def test_producer_rejects_bad_options(name, kwargs, exc, words):
     with pytest.raises(exc) as info:
         Producer(NestedLoader(2), name=name, **kwargs)
     assert all(w in str(info.value) for w in words), str(info.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_producer_on_cuda_without_a_gpu_says_what_to_do(name, monkeypatch):
+    monkeypatch.delenv("TENSORSOCKET_FAKE_CUDA", raising=False)
+    with pytest.raises(GpuPathError) as info:
+        Producer(NestedLoader(2), name=name, device="cuda:0")
+    assert "device='cpu'" in str(info.value) and "TENSORSOCKET_FAKE_CUDA" in str(info.value)
+    Producer(NestedLoader(2), name=name).close()  # nothing was left behind: the name is free
+
+
+def test_producer_on_a_gpu_it_cannot_see_fails_at_construction(name, monkeypatch):
+    monkeypatch.setenv("TENSORSOCKET_FAKE_CUDA", "1")
+    with pytest.raises(ValueError, match=r"cuda:7.*sees \d GPU"):
+        Producer(NestedLoader(2), name=name, device="cuda:7")
 
 
 def test_producer_rejects_a_one_shot_generator_and_suggests_the_function(name):

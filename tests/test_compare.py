@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -149,3 +150,58 @@ def test_a_trainer_can_train_a_model_on_each_batch(tmp_path: Path, monkeypatch: 
     monkeypatch.setitem(sys.modules, "torchvision", None)
     with pytest.raises(SystemExit, match="--model resnet18 needs torchvision"):
         train(batches, 1, 0.0, Report(str(tmp_path / "s.json")), model="resnet18")
+
+
+@pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="tests the reason given where there is no CUDA GPU"
+)
+def test_gpu_system_is_reported_not_run_without_cuda_and_repeat_keeps_every_run(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TENSORSOCKET_FAKE_CUDA"}
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.compare", "--systems", "tensorsocket-gpu", "--trainers", "1",
+         "--images", "32", "--epochs", "1", "--step-ms", "1", "--repeat", "2", "--timeout", "60",
+         "--out", str(tmp_path), "--tag", "test"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    [path] = tmp_path.glob("test-*.json")
+    result = json.loads(path.read_text())
+    assert [(r["system"], r.get("run")) for r in result["runs"]] == [
+        ("loader-alone", 1), ("tensorsocket-gpu", 1), ("loader-alone", 2), ("tensorsocket-gpu", 2)
+    ]  # fmt: skip
+    gpu = result["runs"][1]
+    assert gpu["per_trainer_samples_per_s"] is None and "not run: no CUDA GPU" in gpu["problems"][0]
+    assert "TENSORSOCKET_FAKE_CUDA=1" in gpu["problems"][0]
+    [row] = result["summary"]
+    assert row["tensorsocket-gpu"] is None and row["tensorsocket-gpu_ok"] == "not run"
+    assert result["config"]["repeat"] == 2 and result["config"]["gpu_path"].startswith("no CUDA GPU")
+    assert "tensorsocket-gpu: not run: no CUDA GPU" in done.stdout
+    assert "median of 2 runs" in done.stdout and "| not run: no CUDA GPU" in done.stdout
+
+
+def test_summary_of_repeats_quotes_the_median_and_the_gpu_columns() -> None:
+    def run(system: str, rate: float, exact: bool = True, rep: int = 1) -> dict:
+        return {"system": system, "trainers": 4, "per_trainer_samples_per_s": rate, "exact": exact,
+                "stalled": False, "problems": [] if exact else ["x"], "delivered_samples_per_trainer": [10],
+                "expected_samples_per_trainer": 20, "run": rep, "of": 3}  # fmt: skip
+
+    runs = [run("independent", r) for r in (190.0, 200.0, 260.0)]
+    runs += [run("tensorsocket", r) for r in (700.0, 760.0, 750.0)]
+    runs += [
+        run("tensorsocket-gpu", 800.0),
+        run("tensorsocket-gpu", 900.0, exact=False),
+        run("tensorsocket-gpu", 780.0),
+    ]
+    [row] = summarise(runs)
+    assert row["independent"] == 200.0 and row["tensorsocket"] == 750.0 and row["tensorsocket-gpu"] == 800.0
+    assert row["tensorsocket_runs"] == [700.0, 760.0, 750.0]
+    assert row["tensorsocket-gpu_ok"] == "not exact, 10/20 samples; 1 of 3 runs"
+    assert (
+        row["vs_independent"] == 3.75 and row["gpu_vs_independent"] == 4.0 and row["gpu_vs_host_path"] == 1.07
+    )
+    text = table({"summary": [row], "config": {"repeat": 3}})
+    assert "median of 3 runs" in text and "| tensorsocket, GPU path |" in text
+    assert (
+        "| 4 | 200 | 750 | 800 (not exact, 10/20 samples; 1 of 3 runs) | not run | 3.75x |  |  | 4.00x | 1.07x |"
+        in text
+    )

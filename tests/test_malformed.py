@@ -355,6 +355,8 @@ class FakeProducer:
                 batches=1,
                 samples=None,
                 slots=1,
+                transport="shm",
+                gpu=None,
                 arenas=self.arenas,
                 heartbeat=0.1,
             )
@@ -398,7 +400,7 @@ def segment():
 
 
 def batch(layout: Any, slot: int = 0, **override: Any) -> bytes:
-    fields = {"seq": 0, "epoch": 0, "index": 0, "slot": slot, "layout": layout, "fingerprint": None}
+    fields = {"seq": 0, "epoch": 0, "index": 0, "place": slot, "layout": layout, "fingerprint": None}
     fields.update(override)
     return protocol.encode(Kind.BATCH, **fields)
 
@@ -455,7 +457,7 @@ BAD_LAYOUTS = {
 def test_fake_producer_with_a_good_layout_is_served(name, segment):
     """The control case: the same fake producer with a valid layout yields the batch."""
     layout = [["T", [["t", 0], ["v", "x"]]], [["float32", [4], 0, 16]], 16]
-    fake = FakeProducer(name, arenas=[[0, segment, 4096]], frames=[batch(layout)])
+    fake = FakeProducer(name, arenas=[["shm", 0, segment, 4096]], frames=[batch(layout)])
     try:
         got = consume_one(name)
         assert same(got, (torch.zeros(4), "x"))
@@ -466,7 +468,7 @@ def test_fake_producer_with_a_good_layout_is_served(name, segment):
 @pytest.mark.parametrize("layout", BAD_LAYOUTS.values(), ids=BAD_LAYOUTS.keys())
 def test_garbage_layout_raises_protocol_error(name, segment, layout):
     frames = [batch(layout)]
-    fake = FakeProducer(name, arenas=[[0, segment, 4096]], frames=frames)
+    fake = FakeProducer(name, arenas=[["shm", 0, segment, 4096]], frames=frames)
     try:
         with pytest.raises(ProtocolError):
             consume_one(name)
@@ -477,14 +479,14 @@ def test_garbage_layout_raises_protocol_error(name, segment, layout):
 # A segment that is gone is also what a consumer frozen past its eviction meets, from a
 # producer that is not hostile, so ProducerLost is as right as ProtocolError there.
 BAD_ARENAS = {
-    "announced bigger than the segment": (lambda seg, outside: [0, seg, 1 << 20], ProtocolError),
+    "announced bigger than the segment": (lambda seg, outside: ["shm", 0, seg, 1 << 20], ProtocolError),
     "segment that does not exist": (
-        lambda seg, outside: [0, seg + "-gone", 4096],
+        lambda seg, outside: ["shm", 0, seg + "-gone", 4096],
         (ProtocolError, ProducerLost),
     ),
-    "name escaping /dev/shm": (lambda seg, outside: [0, "../.." + outside, 4096], ProtocolError),
-    "absolute path as name": (lambda seg, outside: [0, outside, 4096], ProtocolError),
-    "not a tensorsocket segment": (lambda seg, outside: [0, "some-other-program", 4096], ProtocolError),
+    "name escaping /dev/shm": (lambda seg, outside: ["shm", 0, "../.." + outside, 4096], ProtocolError),
+    "absolute path as name": (lambda seg, outside: ["shm", 0, outside, 4096], ProtocolError),
+    "not a tensorsocket segment": (lambda seg, outside: ["shm", 0, "some-other-program", 4096], ProtocolError),
 }
 
 
@@ -526,7 +528,7 @@ def test_eviction_reply_to_a_release_after_end_does_not_fail_the_consumer(name, 
         protocol.encode(Kind.END, seq=2, reason=None),
     ]
     stranger = protocol.encode(Kind.EVICTED, reason="unknown consumer: it was evicted or never joined")
-    fake = FakeProducer(name, arenas=[[0, segment, 4096]], frames=frames, replies={Kind.RELEASE: stranger})
+    fake = FakeProducer(name, arenas=[["shm", 0, segment, 4096]], frames=frames, replies={Kind.RELEASE: stranger})
     consumer = Consumer(name=name, timeout=5)
     try:
         epoch = iter(consumer)

@@ -35,13 +35,15 @@ VALID: dict[str, Any] = {
     "timeout": 30.0,
     "batches": 100,
     "slots": 8,
-    "arenas": [[0, "/tensorsocket-abc-0", 1 << 20], [1, "/tensorsocket-abc-1", 4096]],
+    "arenas": [["shm", 0, "/tensorsocket-abc-0", 1 << 20], ["cuda", 1, b"h" * 64, 1 << 21, "GPU-1"]],
+    "transport": "cuda",
+    "gpu": "GPU-8f2c3a4e-0000-4000-8000-000000000000",
     "heartbeat": 1.0,
-    "arena": [2, "/tensorsocket-abc-2", 1 << 30],
+    "arena": ["shm", 2, "/tensorsocket-abc-2", 1 << 30],
     "seq": 7,
     "epoch": 2,
     "index": 3,
-    "slot": 1,
+    "place": 1,
     "layout": _layout(),
     "fingerprint": 123456789,
     "seqs": [1, 2, 3],
@@ -66,13 +68,15 @@ EDGES: dict[str, list[Any]] = {
     "timeout": [0.05, 86400.0, 1, 86400],
     "batches": [None, 0, 2**63 - 1],
     "slots": [1, 1 << 16],
-    "arenas": [[], [[1 << 16, "n" * 255, 1 << 48]], [[0, "", 0]]],
+    "arenas": [[], [["shm", 1 << 16, "n" * 255, 1 << 48]], [["shm", 0, "", 0]], [["cuda", 0] + [0] * 6]],
+    "transport": ["shm", "cuda"],
+    "gpu": [None, "", "g" * 96],
     "heartbeat": [0.001, 3600.0, 5],
-    "arena": [[0, "", 0], [1 << 16, "x" * 255, 1 << 48]],
+    "arena": [["shm", 0, "", 0], ["cuda", 1 << 16, b"x" * 64, 1 << 48, "GPU-x"], ["shm", 0]],
     "seq": [0, 2**63 - 1],
     "epoch": [0, 2**63 - 1],
     "index": [0, 2**63 - 1],
-    "slot": [0, 1 << 16],
+    "place": [0, 1 << 16],
     "layout": [None, [], {"any": "thing"}, 5],
     "fingerprint": [None, 0, 2**64 - 1],
     "seqs": [[], list(range(4096)), [2**63 - 1]],
@@ -103,25 +107,24 @@ BAD: dict[str, list[Any]] = {
         "arena",
         {},
         [None],
-        [[0, "a"]],
-        [[0, "a", 1, 2]],
-        [[0, "a", -1]],
-        [[-1, "a", 1]],
-        [[(1 << 16) + 1, "a", 1]],
-        [[0, "a" * 256, 1]],
-        [[0, 5, 1]],
-        [[0, b"a", 1]],
-        [[0, "a", (1 << 48) + 1]],
-        [[True, "a", 1]],
-        [[0, "a", 1.0]],
-        [[0, "a", 1], [0, "a"]],
+        [["shm"]],
+        [[0, "a", 1]],
+        [["nfs", 0, "a", 1]],
+        [["shm", -1, "a", 1]],
+        [["shm", (1 << 16) + 1, "a", 1]],
+        [["shm", True, "a", 1]],
+        [["shm", 0.0, "a", 1]],
+        [["shm", 0] + [1] * 7],
+        [["shm", 0, "a", 1], ["shm"]],
     ],
+    "transport": ["nfs", "", None, 1, ["shm"]],
+    "gpu": ["g" * 97, 1, b"GPU-1", ["GPU-1"]],
     "heartbeat": [0.0, 0.0005, 3600.5, -1.0, float("nan"), None, False, "1"],
-    "arena": [None, [], [0, "a"], [0, "a", -1], [-1, "a", 1], [0, "a" * 256, 1], {"a": 1}],
+    "arena": [None, [], ["shm"], [0, "a", 1], ["shm", -1, "a", 1], ["tcp", 0, "a", 1], {"a": 1}],
     "seq": [-1, True, 2**63, 1.5, None, "7"],
     "epoch": [-1, False, 2**63, 2.0, None],
     "index": [-1, True, 2**63, 0.5, None],
-    "slot": [-1, (1 << 16) + 1, None, True, 1.0],
+    "place": [-1, (1 << 16) + 1, None, True, 1.0],
     "layout": [],  # anything goes here: layout.check validates it
     "fingerprint": [-1, 1.5, True, "1", [1]],
     "seqs": [None, [1, -1], [True], [1.5], ["1"], "1", list(range(4097)), [2**63], {"a": 1}],
@@ -458,3 +461,26 @@ def test_other_protocol_versions_are_refused_before_their_fields_are_read(versio
     frame = msgpack.packb({"k": "hello", "version": version, "future": True})
     with pytest.raises(ProtocolError, match=f"speaks protocol .*this producer speaks {protocol.VERSION}"):
         protocol.decode(frame)
+
+
+# What the protocol leaves to the transport: the shm reader decodes its descriptors strictly.
+BAD_SHM_DESCRIPTORS = [
+    ["shm", 0, "a"],
+    ["shm", 0, "a", 1, 2],
+    ["shm", 0, "a", -1],
+    ["shm", 0, "a" * 256, 1],
+    ["shm", 0, 5, 1],
+    ["shm", 0, b"a", 1],
+    ["shm", 0, "a", (1 << 48) + 1],
+    ["shm", 0, "a", 1.0],
+    ["shm", 0, "a", True],
+]
+
+
+@pytest.mark.parametrize("descriptor", BAD_SHM_DESCRIPTORS)
+def test_shm_descriptors_are_decoded_strictly(descriptor):
+    from tensorsocket.transport.shm import ArenaInfo
+
+    protocol.decode(protocol.encode(Kind.ARENA, arena=descriptor), protocol.MAX_REPLY_BYTES)
+    with pytest.raises(ProtocolError, match="shm arena descriptor"):
+        ArenaInfo.decode(descriptor)

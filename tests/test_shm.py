@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from tensorsocket import layout
-from tensorsocket.transport.shm import PREFIX, SHM_DIR, ArenaInfo, ArenaMap, SlotPool, sweep_stale
+from tensorsocket.errors import ProtocolError
+from tensorsocket.transport.shm import PREFIX, SHM_DIR, ArenaInfo, ShmReader, ShmStore, sweep_stale
 
 
 def test_a_too_large_arena_fails_cleanly_and_leaves_nothing():
-    pool = SlotPool(1)
+    pool = ShmStore()
     try:
         with pytest.raises(OSError, match="cannot allocate .* shared memory"):
             pool.prepare(0, 1 << 50)
@@ -45,19 +46,19 @@ def test_sweep_removes_segments_of_dead_owners_only():
 
 
 def test_producer_and_consumer_views_share_memory_and_regrowth_is_announced():
-    pool = SlotPool(1)
+    pool = ShmStore()
     try:
         small = layout.plan(torch.arange(10))
-        info = pool.install(pool.prepare(0, small.nbytes))
+        info = ArenaInfo.decode(pool.install(pool.prepare(0, small.nbytes)))
         assert info.size % 4096 == 0
         assert pool.prepare(0, small.nbytes) is None  # fits: no new arena
         big = layout.plan(torch.arange(1 << 20))
-        grown = pool.install(pool.prepare(0, big.nbytes))
+        grown = ArenaInfo.decode(pool.install(pool.prepare(0, big.nbytes)))
         assert grown.name != info.name and grown.size >= big.nbytes
         assert not os.path.exists(os.path.join(SHM_DIR, info.name))  # the old one is unlinked
-        fingerprint = pool.write(0, big)
-        arenas = ArenaMap()
-        arenas.announce(grown)
+        fingerprint = pool.write(0, big).wait()
+        arenas = ShmReader(torch.device("cpu"))
+        arenas.announce(grown.encode())
         region = arenas.region(0, big.nbytes)
         assert layout.fingerprint(region) == fingerprint
         tree, leaves = layout.check(big.encode(), grown.size)
@@ -68,7 +69,16 @@ def test_producer_and_consumer_views_share_memory_and_regrowth_is_announced():
 
 @pytest.mark.parametrize("name", ["../etc/passwd", "/tmp/x", "other-segment", f"{PREFIX}a/../../b"])
 def test_consumer_maps_only_tensorsocket_segments(name):
-    arenas = ArenaMap()
-    arenas.announce(ArenaInfo(0, name, 4096))
+    arenas = ShmReader(torch.device("cpu"))
+    arenas.announce(ArenaInfo(0, name, 4096).encode())
     with pytest.raises(ValueError):
         arenas.region(0, 16)
+
+
+@pytest.mark.parametrize(
+    "descriptor",
+    [["shm", 0, "x"], ["cuda", 0, "x", 4096], ["shm", -1, "x", 4096], ["shm", 0, b"x", 4096], "shm", []],
+)
+def test_consumer_decodes_shm_descriptors_strictly(descriptor):
+    with pytest.raises(ProtocolError):
+        ShmReader(torch.device("cpu")).announce(descriptor)

@@ -1,10 +1,10 @@
 """Host shared-memory arenas: the producer creates and unlinks them, consumers only map them.
 
 Ownership: a segment is created by exactly one producer process and named
-``tensorsocket-<uid>-<pid>-<token>-<slot>-<generation>`` in /dev/shm. The producer unlinks
+``tensorsocket-<uid>-<pid>-<token>-<place>-<generation>`` in /dev/shm. The producer unlinks
 its segments at close; because ``atexit`` does not run on SIGKILL, every producer also
 sweeps, at start, the segments of its own uid whose owner pid is gone. Consumers open a
-segment once per (slot, generation), map it shared, and never unlink it; a mapping stays
+segment once per (place, generation), map it shared, and never unlink it; a mapping stays
 valid after the name is unlinked, so views a user still holds never dangle.
 
 We use files under /dev/shm with ``mmap`` rather than ``multiprocessing.shared_memory``:
@@ -19,16 +19,21 @@ import mmap
 import os
 import re
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from .. import layout
-from ..host import pid_alive
+from ..errors import ProtocolError
+from ..host import boot_id, pid_alive
+from .base import Lease, Reader, Receipt, Store, check_descriptor
 
 log = logging.getLogger("tensorsocket")
 
+KIND = "shm"
 SHM_DIR = "/dev/shm"
 PREFIX = "tensorsocket-"
 _PAGE = mmap.PAGESIZE
@@ -38,14 +43,21 @@ _SEGMENT_NAME = re.compile(re.escape(PREFIX) + r"[A-Za-z0-9_.-]{1,200}")
 
 @dataclass(frozen=True)
 class ArenaInfo:
-    """What a consumer needs to open an arena: its slot, segment name and size in bytes."""
+    """What a consumer needs to open an arena: its place, segment name and size in bytes."""
 
-    slot: int
+    place: int
     name: str
     size: int
 
-    def encode(self) -> list[object]:
-        return [self.slot, self.name, self.size]
+    def encode(self) -> list[Any]:
+        return [KIND, self.place, self.name, self.size]
+
+    @classmethod
+    def decode(cls, descriptor: Any) -> ArenaInfo:
+        _, place, name, size = check_descriptor(descriptor, KIND, (str, int))
+        if len(name) > 255 or not 0 <= size <= 1 << 48:
+            raise ProtocolError(f"bad {KIND} arena descriptor {descriptor!r:.120}")
+        return cls(place, name, size)
 
 
 def _owner_pid(name: str) -> int | None:
@@ -128,65 +140,73 @@ class _Arena:
             pass
 
 
-class SlotPool:
-    """Producer side: K slots, each backed by an arena allocated when first needed.
+class ShmStore(Store):
+    """Producer side: one arena per place, allocated when first needed.
 
-    A slot's arena grows (a new segment and name, the old one unlinked) when a batch larger
-    than it arrives; :meth:`prepare` returns the new ArenaInfo so the caller can announce it
+    A place's arena grows (a new segment and name, the old one unlinked) when a batch larger
+    than it arrives; :meth:`install` returns the new descriptor so the caller can announce it
     before the batch that uses it.
     """
 
-    def __init__(self, slots: int) -> None:
+    kind = KIND
+
+    def __init__(self) -> None:
         if not os.path.isdir(SHM_DIR):
             raise RuntimeError(
                 f"{SHM_DIR} does not exist: the host shared-memory transport needs Linux POSIX shared memory"
             )
-        self.slots = slots
+        sweep_stale()
         self._token = secrets.token_hex(4)
         self._arenas: dict[int, _Arena] = {}
         self._closed = False
         self._generation = 0
         self.bytes = 0
 
-    def arenas(self) -> list[ArenaInfo]:
-        return [a.info for a in self._arenas.values()]
+    def describe(self) -> list[list[Any]]:
+        return [a.info.encode() for a in self._arenas.values()]
 
-    def prepare(self, slot: int, nbytes: int) -> _Arena | None:
-        """A new, larger arena for ``slot`` if it cannot hold ``nbytes`` (else None), not yet
+    def admit(self, hello: dict[str, Any], local: bool) -> None:
+        if not local and hello["boot_id"] != boot_id():
+            raise ProtocolError(
+                "consumer runs on another host; host shared memory needs consumers on the producer's machine"
+            )
+
+    def prepare(self, place: int, nbytes: int) -> _Arena | None:
+        """A new, larger arena for ``place`` if it cannot hold ``nbytes`` (else None), not yet
         in use. Allocating is slow (pages are reserved and mapped), so the producer calls this
         outside its lock and :meth:`install` under it."""
         if self._closed:
-            raise RuntimeError("the slot pool is closed")
-        current = self._arenas.get(slot)
+            raise RuntimeError("the shared-memory store is closed")
+        current = self._arenas.get(place)
         if current is not None and current.info.size >= nbytes:
             return None
         # Grow with headroom so shapes that creep upwards do not reallocate every batch.
         size = max(nbytes, int(current.info.size * 1.25) if current else 0, 1)
         size = (size + _PAGE - 1) // _PAGE * _PAGE
         self._generation += 1
-        name = f"{PREFIX}{os.getuid()}-{os.getpid()}-{self._token}-{slot}-{self._generation}"
-        return _Arena(ArenaInfo(slot, name, size))
+        name = f"{PREFIX}{os.getuid()}-{os.getpid()}-{self._token}-{place}-{self._generation}"
+        return _Arena(ArenaInfo(place, name, size))
 
-    def install(self, arena: _Arena) -> ArenaInfo:
-        """Put a prepared arena in its slot, unlinking the one it replaces; return its info."""
+    def install(self, prepared: _Arena) -> list[Any]:
+        """Put a prepared arena in its place, unlinking the one it replaces; its descriptor."""
         if self._closed:
-            arena.close()
-            raise RuntimeError("the slot pool is closed")
-        current = self._arenas.get(arena.info.slot)
+            prepared.close()
+            raise RuntimeError("the shared-memory store is closed")
+        current = self._arenas.get(prepared.info.place)
         if current is not None:
             self.bytes -= current.info.size
             current.close()
-        self._arenas[arena.info.slot] = arena
-        self.bytes += arena.info.size
-        return arena.info
+        self._arenas[prepared.info.place] = prepared
+        self.bytes += prepared.info.size
+        return prepared.info.encode()
 
-    def write(self, slot: int, plan: layout.Plan) -> int:
-        """Write a planned batch into ``slot`` (already prepared); return its fingerprint."""
+    def write(self, place: int, plan: layout.Plan) -> Receipt:
+        """Write a planned batch into ``place`` (already prepared); done when this returns."""
         if self._closed:
-            raise RuntimeError("the slot pool is closed")
-        arena = self._arenas[slot]
+            raise RuntimeError("the shared-memory store is closed")
+        arena = self._arenas[place]
         layout.write(plan, arena.tensor)
-        return layout.fingerprint(arena.array[: plan.nbytes])
+        return Receipt(layout.fingerprint(arena.tensor[: plan.nbytes]))
 
     def close(self) -> None:
         """Unlink every segment; idempotent. A write still running keeps its mapping (and
@@ -198,42 +218,65 @@ class SlotPool:
         self.bytes = 0
 
 
-class ArenaMap:
-    """Consumer side: open each announced arena once and hand out batch regions.
+class ShmReader(Reader):
+    """Consumer side: open each announced arena once and lease batch regions.
 
-    A region is a fresh uint8 NumPy array over the first ``nbytes`` of a slot's arena; the
-    consumer attaches its release finalizer to it, and every view of the batch keeps it
-    (and through it the mapping) alive.
+    A region is a fresh uint8 NumPy array over the first ``nbytes`` of a place's arena (the
+    owner the release finalizer hangs on) and a tensor over it; every view of the batch keeps
+    it, and through it the mapping, alive.
     """
 
-    def __init__(self) -> None:
+    kind = KIND
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.delivery = "views" if device.type == "cpu" else "copy"
         self._infos: dict[int, ArenaInfo] = {}
         self._maps: dict[int, mmap.mmap] = {}
 
-    def announce(self, info: ArenaInfo) -> None:
-        if self._infos.get(info.slot) != info:
-            self._infos[info.slot] = info
-            self._maps.pop(info.slot, None)  # reopened lazily; live views keep the old one
+    def announce(self, descriptor: list[Any]) -> None:
+        info = ArenaInfo.decode(descriptor)
+        if self._infos.get(info.place) != info:
+            self._infos[info.place] = info
+            self._maps.pop(info.place, None)  # reopened lazily; live views keep the old one
 
-    def size(self, slot: int) -> int:
-        info = self._infos.get(slot)
-        if info is None:
-            raise KeyError(slot)
-        return info.size
+    def size(self, place: int) -> int:
+        return self._infos[place].size
 
-    def region(self, slot: int, nbytes: int) -> np.ndarray:
-        info = self._infos[slot]
+    def lease(self, place: int, nbytes: int) -> Lease:
+        region = self.region(place, nbytes)
+        # The token is the mapping, not the region: the release check reads the very memory
+        # this batch lived in without keeping the region (and so the finalizer) from firing.
+        return Lease(torch.from_numpy(region), region, region.base)
+
+    def region(self, place: int, nbytes: int) -> np.ndarray:
+        info = self._infos[place]
         if not 0 <= nbytes <= info.size:
             raise ValueError(f"region of {nbytes} bytes does not fit arena {info.name} ({info.size})")
-        mm = self._maps.get(slot)
+        mm = self._maps.get(place)
         if mm is None:
-            # A hostile producer must not make us map another file of ours.
-            if not _SEGMENT_NAME.fullmatch(info.name) or ".." in info.name:
-                raise ValueError(f"arena name {info.name!r:.80} is not a {PREFIX}* segment in {SHM_DIR}")
-            mm = self._maps[slot] = _map(os.path.join(SHM_DIR, info.name), info.size, create=False)
+            mm = self._maps[place] = open_segment(info.name, info.size)
         return np.frombuffer(mm, dtype=np.uint8, count=nbytes)
+
+    def deliver(self, views: Any, copy: bool) -> Any:
+        if self.device.type != "cpu":  # one copy, straight from shared memory to the device
+            return layout.map_tensors(views, lambda t: t.to(self.device))
+        return layout.map_tensors(views, torch.clone) if copy else views
+
+    def retire(self, token: Any, then: Callable[[], None]) -> None:
+        then()  # the CPU read it synchronously: nothing is in flight
+
+    def fingerprint(self, token: mmap.mmap, nbytes: int) -> int:
+        return layout.fingerprint(np.frombuffer(token, dtype=np.uint8, count=nbytes))
 
     def close(self) -> None:
         """Forget the mappings; live views keep theirs until they die."""
         self._maps.clear()
         self._infos.clear()
+
+
+def open_segment(name: str, size: int) -> mmap.mmap:
+    """Map another process's segment; a hostile producer must not make us map another file."""
+    if not _SEGMENT_NAME.fullmatch(name) or ".." in name:
+        raise ValueError(f"arena name {name!r:.80} is not a {PREFIX}* segment in {SHM_DIR}")
+    return _map(os.path.join(SHM_DIR, name), size, create=False)

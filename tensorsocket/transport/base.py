@@ -1,0 +1,174 @@
+"""The interface every transport implements: the producer's store of places and the
+consumer's reader of them. Nothing above this layer knows which transport runs.
+
+A *place* is an arena index (window places plus replay places); a batch is written into one
+place and read in place by every consumer. Arena descriptors travel on the wire as lists
+tagged by the transport (``["shm", place, ...]``, ``["cuda", place, ...]``) and only that
+transport decodes them, strictly.
+
+Producer side, :class:`Store`: :meth:`~Store.prepare` a place's arena (slow: outside the
+producer's lock), :meth:`~Store.install` it (under the lock; the descriptor to announce),
+:meth:`~Store.write` a batch and get a :class:`Receipt` (``wait()`` returns once the bytes are
+where consumers read them, with the batch's fingerprint), :meth:`~Store.describe` the arenas
+to a joining consumer, :meth:`~Store.admit` or refuse a consumer's HELLO, :meth:`~Store.close`.
+
+Consumer side, :class:`Reader`: :meth:`~Reader.announce` an arena, :meth:`~Reader.lease` a
+place's region (the owner object behind the views: it is collected when the last view dies),
+:meth:`~Reader.deliver` the rebuilt views as the user's batch (views, or copies on another
+device), :meth:`~Reader.retire` a region whose views died (calls back once it may be
+released: at once on the host, after the consumer's GPU work on it on a GPU),
+:meth:`~Reader.fingerprint` it, :meth:`~Reader.close`.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import ProtocolError
+from ..layout import Plan
+
+
+class Receipt:
+    """A write that may still be in flight. ``wait()`` blocks until it completed where
+    consumers read it and returns the batch's fingerprint (None: not checked)."""
+
+    def __init__(self, fingerprint: int | None) -> None:
+        self._fingerprint = fingerprint
+
+    def wait(self) -> int | None:
+        return self._fingerprint
+
+
+@dataclass
+class Lease:
+    """A batch's region in a place, as this consumer reads it.
+
+    ``region`` is a flat uint8 tensor over the batch's bytes; every view is made from it.
+    ``owner`` is the object that owns the region's memory: it is collected exactly when the
+    last view (or anything derived from one) dies, so the release finalizer hangs on it.
+    ``token`` is what the reader needs afterwards (fingerprint, retire); it must not
+    reference ``owner``."""
+
+    region: torch.Tensor
+    owner: object
+    token: Any
+
+
+class Store(abc.ABC):
+    """Producer side: the places batches are written into. Every method but :meth:`write`
+    is called under the producer's lock or from its I/O thread; :meth:`write` and
+    :meth:`prepare` run on the caller's thread outside the lock."""
+
+    #: the tag of this transport's arena descriptors on the wire
+    kind: str
+    #: bytes of arena memory held (reported in status)
+    bytes: int
+    #: where the arenas live, as the producer names it ("cpu", "cuda:0")
+    device: str = "cpu"
+    #: the UUID of the GPU holding the arenas (None on the host)
+    gpu: str | None = None
+
+    @abc.abstractmethod
+    def prepare(self, place: int, nbytes: int) -> Any | None:
+        """A new arena for ``place`` if its current one cannot hold ``nbytes`` (else None)."""
+
+    @abc.abstractmethod
+    def install(self, prepared: Any) -> list[Any]:
+        """Put a prepared arena in its place (freeing the one it replaces); its descriptor."""
+
+    @abc.abstractmethod
+    def write(self, place: int, plan: Plan) -> Receipt:
+        """Start writing ``plan``'s leaves into ``place`` (already prepared)."""
+
+    @abc.abstractmethod
+    def describe(self) -> list[list[Any]]:
+        """The descriptors of every installed arena, for a joining consumer."""
+
+    @abc.abstractmethod
+    def admit(self, hello: dict[str, Any], local: bool) -> None:
+        """Raise ProtocolError naming the cause and the remedy if this consumer cannot read
+        this transport's arenas (``local``: same host and pid namespace)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Free every arena; idempotent."""
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class Reader(abc.ABC):
+    """Consumer side: opens each announced arena once and leases batch regions from it."""
+
+    kind: str
+    #: "views" when batches are handed out as views of the shared memory, "copy" when they
+    #: are copied to the consumer's device (another GPU, or the host from a GPU)
+    delivery: str
+
+    @abc.abstractmethod
+    def announce(self, descriptor: list[Any]) -> None:
+        """Take note of an arena (decoded strictly: ProtocolError if malformed)."""
+
+    @abc.abstractmethod
+    def size(self, place: int) -> int:
+        """The announced size of ``place``'s arena; KeyError if none was announced."""
+
+    @abc.abstractmethod
+    def lease(self, place: int, nbytes: int) -> Lease:
+        """The first ``nbytes`` of ``place``'s arena (opened on first use)."""
+
+    @abc.abstractmethod
+    def deliver(self, views: Any, copy: bool) -> Any:
+        """The user's batch from ``views`` (built over a lease's region): the views themselves
+        when they are already on the consumer's device, else copies there."""
+
+    def handed_out(self, token: Any) -> None:  # noqa: B027 - a hook: most transports need nothing
+        """The batch was handed to the user, in the user's thread (a GPU reader notes the
+        stream its work on the batch will be queued on)."""
+
+    @abc.abstractmethod
+    def retire(self, token: Any, then: Callable[[], None]) -> None:
+        """The region's last view died (in any thread): call ``then`` once the region may be
+        released. Must be cheap and must not block."""
+
+    @abc.abstractmethod
+    def fingerprint(self, token: Any, nbytes: int) -> int:
+        """The fingerprint of the region's bytes as they are now (I/O thread)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Forget the arenas; live views keep what they need. Idempotent."""
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def descriptor_kind(descriptor: Any) -> str:
+    """The transport tag of a descriptor received on the wire (ProtocolError if none)."""
+    if not (isinstance(descriptor, list) and len(descriptor) >= 2 and isinstance(descriptor[0], str)):
+        raise ProtocolError(f"arena descriptor {descriptor!r:.80} is not [transport, place, ...]")
+    return descriptor[0]
+
+
+def check_descriptor(descriptor: Any, kind: str, types: tuple[type, ...]) -> list[Any]:
+    """``descriptor`` if it is ``[kind, place, *fields]`` with fields of exactly ``types``."""
+    if (
+        descriptor_kind(descriptor) != kind
+        or len(descriptor) != 2 + len(types)
+        or type(descriptor[1]) is not int
+        or not 0 <= descriptor[1] < 1 << 16
+        or any(type(v) is not t for v, t in zip(descriptor[2:], types, strict=True))
+    ):
+        raise ProtocolError(f"bad {kind} arena descriptor {descriptor!r:.120}")
+    return descriptor

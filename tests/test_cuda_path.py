@@ -1,0 +1,373 @@
+"""The GPU path end to end: ``Producer(device="cuda:0")`` and GPU consumers in real processes.
+
+On CI (no GPU) every test runs over the CPU stand-in of the CUDA primitives
+(``TENSORSOCKET_FAKE_CUDA=1``: arenas in /dev/shm, streams as FIFO worker threads, events that
+fire when their stream reaches them). ``scripts/gpu.sh`` runs this same file on a real GPU with
+``TENSORSOCKET_GPU_REAL=1``; the few tests that need the stand-in's knobs (several fake GPUs,
+injected copy delays) say so and skip there.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from tensorsocket import Consumer, Producer
+from tensorsocket.transport.gpu_topology import GpuPathError
+from tests.support import (
+    SPAWN,
+    NestedLoader,
+    expected_batch,
+    run_consumer,
+    same,
+    serving,
+    shm_segments,
+    start_consumers,
+)
+
+REAL = os.environ.get("TENSORSOCKET_GPU_REAL") == "1"
+if REAL and not torch.cuda.is_available():
+    pytest.skip("TENSORSOCKET_GPU_REAL=1 needs a CUDA GPU", allow_module_level=True)
+fake_only = pytest.mark.skipif(REAL, reason="uses the CPU stand-in's knobs")
+EPOCHS = 2
+
+
+@pytest.fixture(autouse=True)
+def _backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stand-in for this process and every consumer it spawns (they inherit the env)."""
+    for var in ("TENSORSOCKET_FAKE_CUDA_DELAY", "TENSORSOCKET_TEST_UNORDERED"):
+        monkeypatch.delenv(var, raising=False)
+    if not REAL:
+        monkeypatch.setenv("TENSORSOCKET_FAKE_CUDA", "1")
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
+def collect(procs: list[Any], results: Any, n: int) -> list[dict[str, Any]]:
+    reports = [results.get(timeout=90) for _ in range(n)]
+    for p in procs:
+        p.join(timeout=30)
+    return reports
+
+
+def assert_exact(report: dict[str, Any], batches: int, epochs: int = EPOCHS) -> None:
+    assert report["error"] is None, report["error"]
+    assert report["bad"] == []
+    assert report["seen"] == [(e, i) for e in range(epochs) for i in range(batches)]
+
+
+def test_gpu_and_cpu_consumers_get_every_batch_bit_exact_over_two_epochs(name):
+    batches = 7
+    procs, results = start_consumers(name, 2, EPOCHS, batches, options={"device": "cuda:0"})
+    cpu = SPAWN.Process(
+        target=run_consumer, args=(name, EPOCHS, batches, results), kwargs={"options": {"device": "cpu"}}
+    )
+    cpu.start()
+    with Producer(NestedLoader(batches), name=name, device="cuda:0", slots=3, min_consumers=3) as producer:
+        pid = os.getpid()
+        status = producer.status()
+        assert status["transport"] == "cuda" and status["device"] == "cuda:0"
+        producer.serve(epochs=EPOCHS)
+    for report in collect(procs + [cpu], results, 3):
+        assert_exact(report, batches)
+        assert report["finished"] is True
+    assert shm_segments(pid) == []  # the stand-in's arenas are segments; real ones are freed
+
+
+def test_a_sigkilled_gpu_consumer_is_evicted_and_the_others_stay_exact(name):
+    batches = 12
+    procs, results = start_consumers(name, 2, EPOCHS, batches, options={"device": "cuda:0"}, step=0.01)
+    victim = SPAWN.Process(
+        target=run_consumer,
+        args=(name, EPOCHS, batches, results),
+        kwargs={"options": {"device": "cuda:0"}, "kill_after": 4, "hold": 2},
+    )
+    victim.start()
+    Producer(NestedLoader(batches), name=name, device="cuda:0", slots=3, min_consumers=3).serve(epochs=EPOCHS)
+    # The victim's own "killed" report may or may not beat its SIGKILL: read until both
+    # survivors reported.
+    survivors = []
+    while len(survivors) < 2:
+        report = results.get(timeout=90)
+        if "killed_at" not in report:
+            survivors.append(report)
+    for p in procs + [victim]:
+        p.join(timeout=30)
+    assert victim.exitcode == -signal.SIGKILL
+    for report in survivors:
+        assert_exact(report, batches)
+
+
+@fake_only
+@pytest.mark.parametrize("ordered", [True, False], ids=["ordered", "unordered"])
+def test_batches_are_announced_only_after_their_copy_completed(name, monkeypatch, ordered):
+    # Every host-to-device copy takes 20 ms on the stand-in's producer stream. Announced
+    # after completion, every batch is intact; announced at once (ordering disabled),
+    # consumers read places whose copy has not landed.
+    monkeypatch.setenv("TENSORSOCKET_FAKE_CUDA_DELAY", "0.02")
+    if not ordered:
+        monkeypatch.setenv("TENSORSOCKET_TEST_UNORDERED", "announce")
+    batches = 10
+    procs, results = start_consumers(name, 2, 1, batches, options={"device": "cuda:0"})
+    producer = Producer(NestedLoader(batches), name=name, device="cuda:0", slots=2, replay=0, min_consumers=2)
+    with serving(producer, epochs=1):  # closed once both reported, even if one left early
+        reports = collect(procs, results, 2)
+    if ordered:
+        for report in reports:
+            assert_exact(report, batches, epochs=1)
+    else:
+        # Read too early: wrong bytes, or bytes that changed under the consumer (BatchModified).
+        assert any(r["bad"] or "BatchModified" in (r["error"] or "") for r in reports), reports
+
+
+def _read_later(t: torch.Tensor, out: list[torch.Tensor]) -> None:
+    """Queue a read of ``t`` on the current stream that runs ~20 ms from now, as a kernel
+    would: it holds no reference to the tensor, only its memory."""
+    if REAL:
+        torch.cuda._sleep(40_000_000)
+        out.append(t.clone())
+        return
+    from tensorsocket.transport.device import backend
+
+    ptr, n = t.data_ptr(), t.numel() * t.element_size()
+    dtype, shape = t.dtype, t.shape
+
+    def kernel() -> None:
+        time.sleep(0.02)
+        raw = (ctypes.c_uint8 * n).from_address(ptr)
+        out.append(torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).view(shape))
+
+    backend().current_stream(0).enqueue(kernel)
+
+
+def _synchronize_current() -> None:
+    """Wait for this thread's queued GPU work (``torch.cuda.synchronize()`` on a real GPU)."""
+    if REAL:
+        torch.cuda.synchronize()
+        return
+    from tensorsocket.transport.device import backend
+
+    event = backend().event()
+    event.record(backend().current_stream(0))
+    event.synchronize()
+
+
+def _consume_with_queued_reads(name: str, batches: int, results: Any) -> None:
+    """Queue a delayed read of each batch's image, drop the batch at once, check the reads."""
+    from tensorsocket import BatchModified
+
+    report: dict[str, Any] = {"bad": [], "error": None, "modified": False}
+    try:
+        with Consumer(name=name, device="cuda:0") as consumer:
+            reads: list[torch.Tensor] = []
+            it = iter(consumer)
+            while True:
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    break
+                except BatchModified:  # its bytes changed while it was held: also a failure
+                    report["modified"] = True
+                    continue
+                _read_later(batch[0], reads)
+                del batch
+            _synchronize_current()
+            report["bad"] = [
+                i for i, r in enumerate(reads) if not same(r.cpu(), expected_batch(i, batches)[0])
+            ]
+            report["reads"] = len(reads)
+    except Exception as exc:
+        report["error"] = f"{type(exc).__name__}: {exc}"
+    results.put(report)
+
+
+@pytest.mark.parametrize("ordered", [True, pytest.param(False, marks=fake_only)], ids=["ordered", "unordered"])
+def test_a_place_is_released_only_after_the_consumers_queued_work_on_it(name, monkeypatch, ordered):
+    if not ordered:
+        monkeypatch.setenv("TENSORSOCKET_TEST_UNORDERED", "release")
+    batches = 12
+    results = SPAWN.Queue()
+    proc = SPAWN.Process(target=_consume_with_queued_reads, args=(name, batches, results))
+    proc.start()
+    with serving(Producer(NestedLoader(batches), name=name, device="cuda:0", slots=1, replay=0), epochs=1):
+        report = results.get(timeout=90)
+    proc.join(timeout=30)
+    assert report["error"] is None, report["error"]
+    if ordered:
+        assert report["reads"] == batches and report["bad"] == [] and not report["modified"]
+    else:
+        assert report["bad"], "releasing at once lets the producer overwrite batches still being read"
+
+
+class _Growing:
+    """Six small batches, then six 64x larger ones: every place's arena must grow once."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __iter__(self) -> Any:
+        for i in range(12):
+            n = (64 << 10) if i < 6 else (4 << 20)
+            yield torch.full((n,), i, dtype=torch.uint8)
+
+
+def _count_opens(name: str, results: Any) -> None:
+    from tensorsocket.transport.device import backend
+
+    report: dict[str, Any] = {"error": None, "bad": []}
+    try:
+        with Consumer(name=name, device="cuda:0") as consumer:
+            for i, batch in enumerate(consumer):
+                if not bool((batch.cpu() == i).all()):
+                    report["bad"].append(i)
+                del batch
+            report["opens"] = backend().open_count
+    except Exception as exc:
+        report["error"] = f"{type(exc).__name__}: {exc}"
+    results.put(report)
+
+
+def test_grown_arenas_are_reopened_once_each(name):
+    results = SPAWN.Queue()
+    proc = SPAWN.Process(target=_count_opens, args=(name, results))
+    proc.start()
+    Producer(_Growing(), name=name, device="cuda:0", slots=3, replay=0).serve(epochs=1)
+    report = results.get(timeout=90)
+    proc.join(timeout=30)
+    assert report["error"] is None and report["bad"] == [], report
+    assert report["opens"] == 6  # 3 places, each opened at first use and once more after growing
+
+
+def _modify_first_batch(name: str, results: Any) -> None:
+    from tensorsocket import BatchModified
+
+    report: dict[str, Any] = {"error": None, "taken": 0}
+    with Consumer(name=name, device="cuda:0") as consumer:
+        it = iter(consumer)
+        while True:
+            try:
+                batch = next(it)
+            except StopIteration:
+                break
+            except BatchModified:  # raised once, at the next() after the release check
+                report["error"] = "BatchModified"
+                continue
+            if report["taken"] == 0:
+                batch[0].mul_(2)  # an in-place op on a shared batch
+            report["taken"] += 1
+            del batch
+    results.put(report)
+
+
+def test_an_in_place_write_to_gpu_memory_is_reported(name, caplog):
+    results = SPAWN.Queue()
+    proc = SPAWN.Process(target=_modify_first_batch, args=(name, results))
+    proc.start()
+    Producer(NestedLoader(8, delay=0.02), name=name, device="cuda:0", slots=2).serve(epochs=1)
+    report = results.get(timeout=90)
+    proc.join(timeout=30)
+    assert report["error"] == "BatchModified" and report["taken"] == 8
+    assert "changed in shared memory" in caplog.text
+
+
+def _serve_forever(name: str, ready: Any, env: dict[str, str]) -> None:
+    os.environ.update(env)
+    producer = Producer(NestedLoader(50, delay=0.05), name=name, device="cuda:0", slots=3, replay=0)
+    ready.put(os.getpid())
+    producer.serve(epochs=None)
+
+
+def _hold_with_blocked_stream(name: str, results: Any) -> None:
+    """Take two batches, queue a long read, then wait for the producer to vanish."""
+    report: dict[str, Any] = {"error": None}
+    reads: list[torch.Tensor] = []
+    try:
+        with Consumer(name=name, device="cuda:0", timeout=2.0) as consumer:
+            it = iter(consumer)
+            held = [next(it), next(it)]
+            for _ in range(10):
+                _read_later(held[0][0], reads)  # ~0.2 s of queued work on the current stream
+            results.put({"ready": True})
+            t0 = time.monotonic()
+            try:
+                while True:
+                    next(it)
+            except Exception as exc:
+                report["error"] = type(exc).__name__
+                report["raised_after"] = time.monotonic() - t0
+            t1 = time.monotonic()
+            _synchronize_current()
+            report["synchronized_in"] = time.monotonic() - t1
+    except Exception as exc:
+        report["error"] = report["error"] or f"outside: {type(exc).__name__}: {exc}"
+    results.put(report)
+
+
+def test_a_sigkilled_producer_leaves_gpu_consumers_raising_and_their_streams_free(name):
+    ready, results = SPAWN.Queue(), SPAWN.Queue()
+    producer = SPAWN.Process(target=_serve_forever, args=(name, ready, {}))
+    producer.start()
+    pid = ready.get(timeout=60)
+    consumer = SPAWN.Process(target=_hold_with_blocked_stream, args=(name, results))
+    consumer.start()
+    assert results.get(timeout=60) == {"ready": True}
+    os.kill(pid, signal.SIGKILL)
+    report = results.get(timeout=60)
+    consumer.join(timeout=30)
+    producer.join(timeout=30)
+    assert report["error"] == "ProducerLost", report
+    assert report["raised_after"] < 3.0
+    assert report["synchronized_in"] < 10.0
+
+
+def _consumer_on(name: str, results: Any, visible: str, device: str) -> None:
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible
+    report: dict[str, Any] = {"error": None, "bad": []}
+    try:
+        with Consumer(name=name, device=device) as consumer:
+            report["delivery"] = consumer.delivery
+            for i, batch in enumerate(consumer):
+                if i == 3:
+                    break
+                if not same(batch, expected_batch(i, 50)):
+                    report["bad"].append(i)
+    except Exception as exc:
+        report["error"] = f"{type(exc).__name__}: {exc}"
+    results.put(report)
+
+
+@fake_only
+def test_devices_are_matched_by_uuid_not_by_ordinal(name):
+    # The producer sees only physical GPU 1, as its cuda:0. A consumer that sees both GPUs
+    # finds it as cuda:1 (views); its cuda:0 is another GPU (a copy); one that sees only
+    # physical GPU 0 cannot read it and says so.
+    ready, results = SPAWN.Queue(), SPAWN.Queue()
+    producer = SPAWN.Process(target=_serve_forever, args=(name, ready, {"CUDA_VISIBLE_DEVICES": "1"}))
+    producer.start()
+    ready.get(timeout=60)
+    try:
+        for visible, device in (("0,1", "cuda:1"), ("0,1", "cuda:0"), ("0", "cuda:0")):
+            proc = SPAWN.Process(target=_consumer_on, args=(name, results, visible, device))
+            proc.start()
+            report = results.get(timeout=60)
+            proc.join(timeout=30)
+            if visible == "0":
+                assert report["error"].startswith("GpuPathError")
+                assert "not visible" in report["error"] and "CUDA_VISIBLE_DEVICES=0" in report["error"]
+            else:
+                assert report["error"] is None and report["bad"] == [], report
+                assert report["delivery"] == ("views" if device == "cuda:1" else "copy")
+    finally:
+        producer.kill()
+        producer.join(timeout=30)
+
+
+def test_gpu_path_errors_are_tensorsocket_errors():
+    from tensorsocket import TensorSocketError
+
+    assert issubclass(GpuPathError, TensorSocketError)
