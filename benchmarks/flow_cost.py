@@ -21,9 +21,9 @@ def per_batch_us(places: int, consumers: int = 8, batches: int = 3000) -> float:
         flow.join(c, 8)
     t0 = time.perf_counter()
     for i in range(batches):
-        slot = flow.reserve()
-        assert slot is not None
-        flow.publish(slot, i)
+        place = flow.reserve()
+        assert place is not None
+        flow.publish(place, i)
         for c in range(consumers):
             flow.release(c, list(flow.consumers[c].held))
     return (time.perf_counter() - t0) / batches * 1e6

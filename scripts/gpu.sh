@@ -37,7 +37,7 @@ export PYTHONUNBUFFERED=1
 
 # The non-gpu-marked test files that exercise the CUDA path, run again on the real CUDA backend
 # (TENSORSOCKET_GPU_REAL=1); space-separated paths, e.g. "tests/test_device_backend.py".
-CUDA_PATH_TESTS="tests/test_cuda_path.py"
+CUDA_PATH_TESTS="tests/test_cuda_path.py tests/test_transport.py"
 
 failed=()
 step() { # step NAME LIMIT_S COMMAND...: run it under a time limit, log into $LOGS/NAME.log

@@ -5,7 +5,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .errors import BatchModified, Evicted, ProducerLost, ProtocolError, TensorSocketError
+from .errors import (
+    BatchModified,
+    Closed,
+    Evicted,
+    GpuPathError,
+    Hoarding,
+    IoThreadDied,
+    ProducerLost,
+    ProtocolError,
+    Refused,
+    TensorSocketError,
+)
 
 if TYPE_CHECKING:
     from .compat import TensorConsumer, TensorProducer
@@ -16,11 +27,16 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BatchModified",
+    "Closed",
     "Consumer",
     "Evicted",
+    "GpuPathError",
+    "Hoarding",
+    "IoThreadDied",
     "ProducerLost",
     "Producer",
     "ProtocolError",
+    "Refused",
     "TensorConsumer",
     "TensorProducer",
     "TensorSocketError",

@@ -33,3 +33,33 @@ class BatchModified(TensorSocketError):
     Shared batches are read-only: every trainer reads the same memory, so an in-place op
     (``x.sub_(mean)``, ``x /= 255``) corrupts the others' data.
     """
+
+
+class Closed(TensorSocketError):
+    """The producer or consumer was closed (possibly from another thread) and cannot be used.
+
+    A producer's ``serve()`` or ``for batch in producer`` loop ends quietly when ``close()``
+    was asked for; this is raised to a caller that goes on using a closed object.
+    """
+
+
+class Hoarding(TensorSocketError):
+    """The consumer holds every batch it may hold and asks for another, which can never come.
+
+    Drop references to old batches, use ``Consumer(copy=True)``, or give the producer more
+    slots.
+    """
+
+
+class Refused(TensorSocketError):
+    """The producer answered the consumer's HELLO with a refusal; the message says why
+    (another transport, another machine, a protocol mismatch)."""
+
+
+class IoThreadDied(TensorSocketError):
+    """A side's background I/O thread stopped on an unexpected error (logged with its
+    traceback); the producer or consumer can no longer send or receive."""
+
+
+class GpuPathError(TensorSocketError):
+    """No way exists to get the producer's GPU batches to this consumer; says why and what to do."""

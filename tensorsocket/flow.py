@@ -6,7 +6,7 @@ stream) and carries out the :class:`Deliver` and :class:`Skipped` actions it ret
 Everything about correctness lives here and is property-tested.
 
 The stream is a log of entries numbered by a global sequence ``seq``: BATCH entries (each
-in a *place*: a slot of shared memory), EPOCH_END markers and one final END. Each consumer
+in a *place*: an arena index, below the window or a replay place), EPOCH_END markers and one final END. Each consumer
 has a ``cursor`` (the next seq it will be sent, or ``None`` while it waits for the next
 epoch boundary) and the batches it ``held`` (sent and not yet released), at most
 ``prefetch`` of them. A consumer's *lag* is the number of published batches it has not
@@ -72,7 +72,7 @@ class Entry:
 
     seq: int
     kind: EntryKind
-    slot: int | None
+    place: int | None
     payload: Any
 
 
@@ -96,7 +96,7 @@ class Skipped:
 Action = Deliver | Skipped
 
 
-class SlotState(IntEnum):
+class PlaceState(IntEnum):
     """FREE -> FILLING (reserve) -> PUBLISHED (publish) -> FILLING (reserve again) ...;
     FILLING -> FREE on cancel."""
 
@@ -106,8 +106,8 @@ class SlotState(IntEnum):
 
 
 @dataclass
-class _Slot:
-    state: SlotState = SlotState.FREE
+class _Place:
+    state: PlaceState = PlaceState.FREE
     seq: int | None = None
     holders: set[Hashable] = field(default_factory=set)
 
@@ -119,30 +119,36 @@ class ConsumerState:
     prefetch: int
     cursor: int | None
     policy: LateJoin = LateJoin.REPLAY
-    held: dict[int, int] = field(default_factory=dict)  # seq -> slot
+    held: dict[int, int] = field(default_factory=dict)  # seq -> place
     received: int = 0  # batches sent
     skipped: int = 0  # batches jumped over (policy skip)
     finished: bool = False  # END was sent
     catching_up: bool = False  # joined further behind than the limit allows, not yet caught up
 
 
+def _checked_places(window: Any, places: Any, max_lag: Any) -> int:
+    """The number of places (default: the window); ValueError naming a bad argument."""
+    if type(window) is not int or window < 1:
+        raise ValueError(f"window (slots) must be a positive int, got {window!r}")
+    places = window if places is None else places
+    if type(places) is not int or places < window:
+        raise ValueError(f"places must be an int >= window ({window}), got {places!r}")
+    if max_lag is not None and (type(max_lag) is not int or not 1 <= max_lag < window):
+        raise ValueError(
+            f"max_lag must be an int from 1 to slots - 1 = {window - 1}, got {max_lag!r}: a consumer "
+            "can only lag behind by batches the producer still keeps"
+        )
+    return places
+
+
 class Flow:
     """Places, consumers and the stream log. See the module docstring for the rules."""
 
     def __init__(self, window: int, places: int | None = None, max_lag: int | None = None) -> None:
-        if type(window) is not int or window < 1:
-            raise ValueError(f"window (slots) must be a positive int, got {window!r}")
-        places = window if places is None else places
-        if type(places) is not int or places < window:
-            raise ValueError(f"places must be an int >= window ({window}), got {places!r}")
-        if max_lag is not None and (type(max_lag) is not int or not 1 <= max_lag < window):
-            raise ValueError(
-                f"max_lag must be an int from 1 to slots - 1 = {window - 1}, got {max_lag!r}: a consumer "
-                "can only lag behind by batches the producer still keeps"
-            )
+        places = _checked_places(window, places, max_lag)
         self.window = window
         self.max_lag = max_lag
-        self._slots = [_Slot() for _ in range(places)]
+        self._places = [_Place() for _ in range(places)]
         # For O(1) reserve and trim with thousands of replay places: never-used (or cancelled)
         # places, published places in seq order, and the first seq of the resident suffix
         # (only reserve() overwrites a batch, so it only ever moves forward).
@@ -151,7 +157,7 @@ class Flow:
         self._replay_from = 0
         self._log: dict[int, Entry] = {}
         self._before: dict[int, int] = {}  # seq -> batches published before it
-        self._consumers: dict[Hashable, ConsumerState] = {}
+        self.consumers: dict[Hashable, ConsumerState] = {}
         self.next_seq = 0
         self.published = 0  # batches
         self.epoch = 0  # the epoch being published
@@ -164,33 +170,29 @@ class Flow:
     # ------------------------------------------------------------------ queries
 
     @property
-    def consumers(self) -> dict[Hashable, ConsumerState]:
-        return self._consumers
-
-    @property
-    def slot_count(self) -> int:
-        return len(self._slots)
+    def place_count(self) -> int:
+        return len(self._places)
 
     def finished(self) -> bool:
         """True once END is published and every remaining consumer has been sent it."""
-        return self.ended and all(c.finished for c in self._consumers.values())
+        return self.ended and all(c.finished for c in self.consumers.values())
 
-    def holders(self, slot: int) -> frozenset[Hashable]:
-        return frozenset(self._slots[slot].holders)
+    def holders(self, place: int) -> frozenset[Hashable]:
+        return frozenset(self._places[place].holders)
 
     def lag(self, cid: Hashable) -> int:
         """Published batches ``cid`` has not been sent yet (0 while it waits for a boundary)."""
-        return self._lag(self._consumers[cid])
+        return self._lag(self.consumers[cid])
 
     def resident(self) -> int:
         """Published batches still in a place (in flight or kept for replay)."""
-        return sum(s.state is SlotState.PUBLISHED for s in self._slots)
+        return sum(s.state is PlaceState.PUBLISHED for s in self._places)
 
     # ------------------------------------------------------------------ membership
 
     def join(self, cid: Hashable, prefetch: int, policy: LateJoin = LateJoin.REPLAY) -> list[Action]:
         """Add a consumer; ``prefetch`` is capped at the window."""
-        if cid in self._consumers:
+        if cid in self.consumers:
             raise ValueError(f"consumer {cid!r} already joined")
         if type(prefetch) is not int or prefetch < 1:
             raise ValueError(f"prefetch must be a positive int, got {prefetch!r}")
@@ -207,30 +209,30 @@ class Flow:
         else:
             cursor = None
         state = ConsumerState(prefetch=min(prefetch, self.window), cursor=cursor, policy=policy)
-        self._consumers[cid] = state
+        self.consumers[cid] = state
         out = self._deliver(cid, state)
         state.catching_up = not self._within_limit(state, self._leader_lag())
         return out + self._settle()
 
     def leave(self, cid: Hashable) -> None:
         """A consumer left or was evicted: drop it and everything it held. Idempotent."""
-        state = self._consumers.pop(cid, None)
+        state = self.consumers.pop(cid, None)
         if state is None:
             return
-        for slot in state.held.values():
-            self._slots[slot].holders.discard(cid)
+        for place in state.held.values():
+            self._places[place].holders.discard(cid)
         self._trim()
         self._settle()  # (no actions: the leader leaving only shortens the others' distance)
 
     def release(self, cid: Hashable, seqs: Iterable[int]) -> list[Action]:
         """A consumer is done with these batches. Unknown or repeated seqs are ignored."""
-        state = self._consumers.get(cid)
+        state = self.consumers.get(cid)
         if state is None:
             return []
         for seq in seqs:
-            slot = state.held.pop(seq, None)
-            if slot is not None:
-                self._slots[slot].holders.discard(cid)
+            place = state.held.pop(seq, None)
+            if place is not None:
+                self._places[place].holders.discard(cid)
         out = self._deliver(cid, state) + self._settle()
         self._trim()
         return out
@@ -241,8 +243,8 @@ class Flow:
         """More places (the producer sizes its replay buffer once it knows a batch's bytes)."""
         if type(n) is not int or n < 0:
             raise ValueError(f"n must be a non-negative int, got {n!r}")
-        first = len(self._slots)
-        self._slots.extend(_Slot() for _ in range(n))
+        first = len(self._places)
+        self._places.extend(_Place() for _ in range(n))
         self._free[:0] = range(first + n - 1, first - 1, -1)  # after the existing free ones
 
     def reserve(self) -> int | None:
@@ -259,44 +261,44 @@ class Flow:
         if self._free:
             best = self._free.pop()
         else:
-            cursors = [c.cursor for c in self._consumers.values() if c.cursor is not None]
+            cursors = [c.cursor for c in self.consumers.values() if c.cursor is not None]
             needed_from = min(cursors, default=self.next_seq)  # batches from here are still owed
             best = None
             for i, place in enumerate(self._published):
-                seq = self._slots[place].seq
+                seq = self._places[place].seq
                 if seq >= needed_from:  # type: ignore[operator]
                     break  # in seq order: every later one is owed too
-                if not self._slots[place].holders:
+                if not self._places[place].holders:
                     best = place
                     del self._published[i]
                     break
             if best is None:
                 return None
-        slot = self._slots[best]
-        if slot.seq is not None:
-            self._replay_from = max(self._replay_from, slot.seq + 1)
-            if slot.seq >= self._epoch_start:
+        place = self._places[best]
+        if place.seq is not None:
+            self._replay_from = max(self._replay_from, place.seq + 1)
+            if place.seq >= self._epoch_start:
                 self._replay_open = False
-        slot.state, slot.seq = SlotState.FILLING, None
+        place.state, place.seq = PlaceState.FILLING, None
         return best
 
-    def cancel(self, slot: int) -> None:
+    def cancel(self, place: int) -> None:
         """Give back a reserved place that was not published (the write failed)."""
-        s = self._slots[slot]
-        if s.state is not SlotState.FILLING:
-            raise RuntimeError(f"slot {slot} is not being filled")
-        s.state = SlotState.FREE
-        self._free.append(slot)
+        s = self._places[place]
+        if s.state is not PlaceState.FILLING:
+            raise RuntimeError(f"place {place} is not being filled")
+        s.state = PlaceState.FREE
+        self._free.append(place)
 
-    def publish(self, slot: int, payload: Any) -> list[Action]:
-        """The reserved ``slot`` now holds batch ``next_seq``; send it to whoever may take it,
+    def publish(self, place: int, payload: Any) -> list[Action]:
+        """The reserved ``place`` now holds batch ``next_seq``; send it to whoever may take it,
         and (policy skip) move consumers lagging more than ``max_lag`` ahead."""
-        s = self._slots[slot]
-        if s.state is not SlotState.FILLING:
-            raise RuntimeError(f"slot {slot} was not reserved")
-        s.state, s.seq = SlotState.PUBLISHED, self.next_seq
-        self._published.append(slot)
-        return self._append(EntryKind.BATCH, slot, payload)
+        s = self._places[place]
+        if s.state is not PlaceState.FILLING:
+            raise RuntimeError(f"place {place} was not reserved")
+        s.state, s.seq = PlaceState.PUBLISHED, self.next_seq
+        self._published.append(place)
+        return self._append(EntryKind.BATCH, place, payload)
 
     def end_epoch(self, payload: Any) -> list[Action]:
         """Append an EPOCH_END marker; consumers waiting for a boundary start after it."""
@@ -304,7 +306,7 @@ class Flow:
         self.epoch += 1
         self._epoch_start = self.next_seq
         self._replay_open = True
-        for state in self._consumers.values():
+        for state in self.consumers.values():
             if state.cursor is None:
                 state.cursor = self.next_seq
         return out + self._settle()  # the waiters are the leaders now
@@ -312,7 +314,7 @@ class Flow:
     def end_stream(self, payload: Any) -> list[Action]:
         """Append END; every consumer, including waiting ones, is sent it after its batches."""
         end_seq = self.next_seq
-        for state in self._consumers.values():
+        for state in self.consumers.values():
             if state.cursor is None:
                 state.cursor = end_seq
         out = self._append(EntryKind.END, None, payload)
@@ -321,17 +323,17 @@ class Flow:
 
     # ------------------------------------------------------------------ internals
 
-    def _append(self, kind: EntryKind, slot: int | None, payload: Any) -> list[Action]:
+    def _append(self, kind: EntryKind, place: int | None, payload: Any) -> list[Action]:
         if self.ended:
             raise RuntimeError("the stream has ended; nothing more can be published")
-        entry = Entry(self.next_seq, kind, slot, payload)
+        entry = Entry(self.next_seq, kind, place, payload)
         self._log[entry.seq] = entry
         self._before[entry.seq] = self.published
         self.next_seq += 1
         if kind is EntryKind.BATCH:
             self.published += 1
         out: list[Action] = []
-        for cid, state in self._consumers.items():
+        for cid, state in self.consumers.items():
             out.extend(self._deliver(cid, state))
         out.extend(self._settle())
         self._trim()
@@ -344,8 +346,8 @@ class Flow:
             if entry.kind is EntryKind.BATCH:
                 if len(state.held) >= state.prefetch:
                     break
-                state.held[entry.seq] = entry.slot  # type: ignore[assignment]
-                self._slots[entry.slot].holders.add(cid)  # type: ignore[index]
+                state.held[entry.seq] = entry.place  # type: ignore[assignment]
+                self._places[entry.place].holders.add(cid)  # type: ignore[index]
                 state.received += 1
             elif entry.kind is EntryKind.END:
                 state.finished = True
@@ -361,10 +363,10 @@ class Flow:
             leader = 0
         else:
             leader = self._leader_lag()  # skips leave the skipped behind the leader: it stays
-            for cid, state in self._consumers.items():
+            for cid, state in self.consumers.items():
                 if not state.catching_up and self._lag(state) - leader > self.max_lag:
                     out.extend(self._skip(cid, state, leader + self.max_lag))
-        for state in self._consumers.values():
+        for state in self.consumers.values():
             if state.catching_up and self._within_limit(state, leader):
                 state.catching_up = False
         return out
@@ -392,7 +394,7 @@ class Flow:
 
     def _active(self) -> list[ConsumerState]:
         """Consumers the stream is being sent to (not waiting for a boundary, not finished)."""
-        return [c for c in self._consumers.values() if c.cursor is not None and not c.finished]
+        return [c for c in self.consumers.values() if c.cursor is not None and not c.finished]
 
     def _leader_lag(self) -> int:
         return min((self._lag(c) for c in self._active()), default=0)
@@ -417,8 +419,8 @@ class Flow:
         entry = self._log.get(seq)
         if entry is None or entry.kind is not EntryKind.BATCH:
             return entry is not None
-        slot = self._slots[entry.slot]  # type: ignore[index]
-        return slot.state is SlotState.PUBLISHED and slot.seq == seq
+        place = self._places[entry.place]  # type: ignore[index]
+        return place.state is PlaceState.PUBLISHED and place.seq == seq
 
     def _oldest_replayable(self) -> int:
         """The smallest seq from which every entry up to the newest is still resident."""
@@ -430,7 +432,7 @@ class Flow:
         The log stays short: entries at or past the slowest cursor are unsent batches, which
         are resident (at most one per place), and replayable ones are resident too.
         """
-        cursors = [c.cursor for c in self._consumers.values() if c.cursor is not None]
+        cursors = [c.cursor for c in self.consumers.values() if c.cursor is not None]
         keep_from = min(cursors, default=self.next_seq)
         keep_from = min(keep_from, self._oldest_replayable(), self.next_seq - 1)  # END stays
         while self._log:
@@ -440,35 +442,34 @@ class Flow:
             del self._log[seq]
             del self._before[seq]
 
-    def check(self) -> None:
-        """Assert every invariant of the module docstring; for tests."""
-        for i, s in enumerate(self._slots):
-            if s.state is not SlotState.PUBLISHED:
-                assert s.seq is None and not s.holders, (i, s)
-            for cid in s.holders:
-                assert self._consumers[cid].held.get(s.seq) == i, (i, s, cid)  # type: ignore[arg-type]
-        for cid, c in self._consumers.items():
-            for seq, slot in c.held.items():
-                assert self._slots[slot].seq == seq and cid in self._slots[slot].holders
-                assert c.cursor is not None and seq < c.cursor
-            assert len(c.held) <= c.prefetch <= self.window
-            if c.cursor is not None:
-                for seq in range(c.cursor, self.next_seq):
-                    assert seq in self._log, (cid, seq)
-                    assert self._resident(seq), (cid, seq)
-            if not c.catching_up:
-                assert self._within_limit(c, self._leader_lag()), ("lags too far", cid, c, self._leader_lag())
-        if self._replay_open and not self.ended:
-            for seq in range(self._epoch_start, self.next_seq):
-                assert self._resident(seq), ("replay window lost", seq)
-        batches = sum(e.kind is EntryKind.BATCH for e in self._log.values())
-        assert batches <= len(self._slots), ("log holds non-resident batches", batches)
-        assert set(self._before) == set(self._log)
-        assert sorted(self._free) == [i for i, x in enumerate(self._slots) if x.state is SlotState.FREE]
-        seqs = [self._slots[i].seq for i in self._published]
-        assert seqs == sorted(seqs) and len(set(self._published)) == len(self._published)
-        assert set(self._published) == {
-            i for i, x in enumerate(self._slots) if x.state is SlotState.PUBLISHED
-        }
-        for seq in range(self._oldest_replayable(), self.next_seq):
-            assert self._resident(seq), ("not resident", seq)
+
+def check_invariants(flow: Flow) -> None:
+    """Assert every invariant of the module docstring (tests call it after every event)."""
+    for i, s in enumerate(flow._places):
+        if s.state is not PlaceState.PUBLISHED:
+            assert s.seq is None and not s.holders, (i, s)
+        for cid in s.holders:
+            assert flow.consumers[cid].held.get(s.seq) == i, (i, s, cid)  # type: ignore[arg-type]
+    for cid, c in flow.consumers.items():
+        for seq, place in c.held.items():
+            assert flow._places[place].seq == seq and cid in flow._places[place].holders
+            assert c.cursor is not None and seq < c.cursor
+        assert len(c.held) <= c.prefetch <= flow.window
+        if c.cursor is not None:
+            for seq in range(c.cursor, flow.next_seq):
+                assert seq in flow._log, (cid, seq)
+                assert flow._resident(seq), (cid, seq)
+        if not c.catching_up:
+            assert flow._within_limit(c, flow._leader_lag()), ("lags too far", cid, c, flow._leader_lag())
+    if flow._replay_open and not flow.ended:
+        for seq in range(flow._epoch_start, flow.next_seq):
+            assert flow._resident(seq), ("replay window lost", seq)
+    batches = sum(e.kind is EntryKind.BATCH for e in flow._log.values())
+    assert batches <= len(flow._places), ("log holds non-resident batches", batches)
+    assert set(flow._before) == set(flow._log)
+    assert sorted(flow._free) == [i for i, x in enumerate(flow._places) if x.state is PlaceState.FREE]
+    seqs = [flow._places[i].seq for i in flow._published]
+    assert seqs == sorted(seqs) and len(set(flow._published)) == len(flow._published)
+    assert set(flow._published) == {i for i, x in enumerate(flow._places) if x.state is PlaceState.PUBLISHED}
+    for seq in range(flow._oldest_replayable(), flow.next_seq):
+        assert flow._resident(seq), ("not resident", seq)

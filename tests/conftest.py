@@ -1,9 +1,16 @@
 import logging
+import os
+import threading
+from collections.abc import Iterator
 
 import pytest
 import torch
 
-from tests.support import unique_name
+from tests.support import shm_segments, unique_name, wait_until
+
+# How long a test's resources may take to go after it returned: zmq closes a socket's
+# connections in its own I/O thread, and a joined thread's fd may close a tick later.
+HYGIENE_GRACE = float(os.environ.get("TENSORSOCKET_TEST_HYGIENE_GRACE", "5"))
 
 
 @pytest.fixture
@@ -15,6 +22,77 @@ def name() -> str:
 @pytest.fixture(autouse=True)
 def _tensorsocket_logs(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="tensorsocket")
+
+
+def _socket_inodes() -> set[str]:
+    """The sockets this process has open (``socket:[inode]`` entries of /proc/self/fd)."""
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the fd of the listing itself, or one closed meanwhile
+            continue
+        if target.startswith("socket:"):
+            found.add(target)
+    return found
+
+
+def _threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if not t.daemon and t.is_alive()}
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    report = yield
+    if report.when == "call":
+        item.stash[_CALL_FAILED] = report.failed
+    return report
+
+
+_CALL_FAILED = pytest.StashKey[bool]()
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fail a test that leaves behind, in this (the pytest) process, any of:
+
+    * a tensorsocket shared-memory segment owned by this pid (``/dev/shm/tensorsocket-<uid>-
+      <pid>-*``) that was not there before it: an unclosed producer or store;
+    * a non-daemon thread that it started and that is still alive: it would hang the exit;
+    * a socket (``socket:[inode]`` in /proc/self/fd) that it opened and did not close: an
+      unclosed producer, consumer or zmq socket.
+
+    Each may take up to ``HYGIENE_GRACE`` seconds to go. What is not counted, because it stays
+    by design: zmq's global context (``zmq.Context.instance()``, shared by every producer and
+    consumer of the process) keeps its own eventfd / epoll fds and C threads for the life of
+    the process; none is a socket or a Python thread. A test that already failed is not
+    checked (its cleanup may not have run). Fixtures of a wider scope (module, session) are torn down after this check and are not
+    seen by it.
+    """
+    segments = set(shm_segments(os.getpid()))
+    threads = _threads()
+    sockets = _socket_inodes()
+    yield
+    if request.node.stash.get(_CALL_FAILED, False):
+        return
+
+    def leftovers() -> dict[str, list[str]]:
+        return {
+            "shared-memory segments": sorted(set(shm_segments(os.getpid())) - segments),
+            "non-daemon threads": sorted(t.name for t in _threads() - threads),
+            "sockets": sorted(_socket_inodes() - sockets),
+        }
+
+    try:
+        wait_until(lambda: not any(leftovers().values()), HYGIENE_GRACE, "the test's resources to go")
+        return
+    except AssertionError:
+        pass
+    left = {kind: names for kind, names in leftovers().items() if names}
+    if left:  # else they went just after the deadline
+        pytest.fail(
+            f"the test left behind {left} (close every producer, consumer and store it makes)", pytrace=False
+        )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

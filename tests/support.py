@@ -10,13 +10,36 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 SPAWN = mp.get_context("spawn")
+
+T = TypeVar("T")
+
+
+def wait_until(
+    predicate: Callable[[], T], timeout: float, what: str | Callable[[], str], interval: float = 0.02
+) -> T:
+    """Poll ``predicate`` every ``interval`` s until it returns something truthy and return
+    that; at the deadline raise AssertionError naming ``what`` (a callable is called then, to
+    show the state it timed out in), so a test fails with a sentence instead of hanging. The
+    predicate is tried once more at the deadline, so a slow poll cannot lose it; an
+    AssertionError it raises itself (a peer died, say) ends the wait at once."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise AssertionError(
+                f"timed out after {timeout} s waiting for {what() if callable(what) else what}"
+            )
+        time.sleep(min(interval, remaining))
 
 
 def unique_name(prefix: str = "t") -> str:

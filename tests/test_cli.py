@@ -25,7 +25,7 @@ from tensorsocket.pipeline import PipelineError
 from tensorsocket.pipeline import convert as _convert
 from tensorsocket.pipeline import load as load_pipeline
 from tensorsocket.pipeline import parse as parse_pipeline
-from tests.support import shm_segments, unique_name
+from tests.support import shm_segments, unique_name, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 BATCHES = 8
@@ -76,13 +76,13 @@ def pipeline(tmp_path: Path) -> Path:
 def wait_until_serving(proc: subprocess.Popen[str], name: str, timeout: float = 30.0) -> None:
     """Wait until ``proc`` has bound the name (its ipc socket exists), or fail with its stderr."""
     path = endpoint.resolve(name)[len("ipc://") :]
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(path):
+
+    def bound() -> bool:
         if proc.poll() is not None:
             pytest.fail(f"serve exited with {proc.returncode}: {proc.communicate()[1]}")
-        if time.monotonic() > deadline:
-            pytest.fail(f"serve did not bind {name} within {timeout} s")
-        time.sleep(0.05)
+        return os.path.exists(path)
+
+    wait_until(bound, timeout, f"serve to bind {name}", interval=0.05)
 
 
 def drain(consumer: Consumer, timeout: float = 20.0) -> None:
@@ -181,10 +181,12 @@ def test_serve_with_options_status_while_consuming_second_serve_and_sigterm(pipe
 
         reader = threading.Thread(target=consume_slowly, args=(consumer, stop), daemon=True)
         reader.start()
-        deadline = time.monotonic() + 15
-        while not query_status(endpoint.resolve(name), 5)["consumers"][0]["samples_per_s"]:
-            assert time.monotonic() < deadline, "the consumer's rate never showed"
-            time.sleep(0.1)
+        wait_until(
+            lambda: query_status(endpoint.resolve(name), 5)["consumers"][0]["samples_per_s"],
+            15,
+            "the consumer's rate to show",
+            interval=0.1,
+        )
 
         others = [
             start("status", "--name", name, "--timeout", "20"),
@@ -410,8 +412,8 @@ def test_bad_serve_options_exit_2_before_anything_starts(
 
 
 def test_serve_options_reach_the_producer() -> None:
-    from tensorsocket.cli_common import size
-    from tensorsocket.cli_serve import producer_options
+    from tensorsocket.cli.common import size
+    from tensorsocket.cli.serve import producer_options
 
     parser = build_parser()
     options = producer_options(parser.parse_args(["serve", "m:f", "--replay", "512M", "--grace", "2.5"]))

@@ -146,27 +146,18 @@ def _doomed_consumer(ready: bytes, conn: Any) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def test_a_dead_consumers_pending_done_event_never_fires():
-    """A fact the cuda transport's design rests on (seen on an H100, driver 580): a stream
-    made to wait on an interprocess event whose recording process died before reaching the
-    record never moves on. So the producer must never queue a wait on a consumer's ``done``
-    event: the consumer's I/O thread waits for its own event, off the training thread, and
-    only then sends RELEASE; a consumer that dies before that simply never releases, and the
-    flow drops its holds. If this test starts failing, the driver changed the rule."""
+def _witness(conn: Any) -> None:
+    """Open the consumer's ``done`` event while it lives; once told it died, queue a wait on
+    it on a stream of our own and report whether the stream moved past it within 5 s. In a
+    process of its own: a stream stuck for good stays in torch's stream pool, and a later
+    test in the same process could be handed it."""
     import time
 
     from tensorsocket.transport.cuda_ipc import IpcEvent
 
-    ready = IpcEvent(0)
-    ready.record()
-    mine, theirs = SPAWN.Pipe()
-    child = SPAWN.Process(target=_doomed_consumer, args=(ready.handle, theirs))
-    child.start()
-    assert mine.poll(120), "the consumer did not start"
-    done = IpcEvent(0, mine.recv())
-    mine.send("opened")
-    child.join(60)
-    assert child.exitcode == -9
+    done = IpcEvent(0, conn.recv())
+    conn.send("opened")
+    conn.recv()  # the consumer is dead
     stream = torch.cuda.Stream()
     marker = torch.cuda.Event()
     with torch.cuda.stream(stream):
@@ -175,4 +166,40 @@ def test_a_dead_consumers_pending_done_event_never_fires():
     deadline = time.monotonic() + 5  # the dead consumer's kernel alone would take ~2 s
     while time.monotonic() < deadline and not marker.query():
         time.sleep(0.01)
-    assert not marker.query(), "the stream moved on: the driver now completes a dead process's events"
+    conn.send(marker.query())
+    conn.recv()  # killed by the test: exiting with a stuck stream may not return
+
+
+def test_a_dead_consumers_pending_done_event_never_fires():
+    """A fact the cuda transport's design rests on (seen on an H100, driver 580): a stream
+    made to wait on an interprocess event whose recording process died before reaching the
+    record never moves on. So the producer must never queue a wait on a consumer's ``done``
+    event: the consumer's I/O thread waits for its own event, off the training thread, and
+    only then sends RELEASE; a consumer that dies before that simply never releases, and the
+    flow drops its holds. If this test starts failing, the driver changed the rule."""
+    from tensorsocket.transport.cuda_ipc import IpcEvent
+
+    ready = IpcEvent(0)
+    ready.record()
+    mine, theirs = SPAWN.Pipe()
+    ours, its = SPAWN.Pipe()
+    child = SPAWN.Process(target=_doomed_consumer, args=(ready.handle, theirs))
+    witness = SPAWN.Process(target=_witness, args=(its,))
+    child.start()
+    witness.start()
+    try:
+        assert mine.poll(120), "the consumer did not start"
+        ours.send(mine.recv())
+        assert ours.poll(120), "the witness did not open the event"
+        ours.recv()
+        mine.send("opened")
+        child.join(60)
+        assert child.exitcode == -9
+        ours.send("dead")
+        assert ours.poll(120), "the witness did not report"
+        moved_on = ours.recv()
+    finally:
+        for p in (child, witness):
+            p.kill()
+            p.join(30)
+    assert not moved_on, "the stream moved on: the driver now completes a dead process's events"

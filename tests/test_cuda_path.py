@@ -186,7 +186,9 @@ def _consume_with_queued_reads(name: str, batches: int, results: Any) -> None:
     results.put(report)
 
 
-@pytest.mark.parametrize("ordered", [True, pytest.param(False, marks=fake_only)], ids=["ordered", "unordered"])
+@pytest.mark.parametrize(
+    "ordered", [True, pytest.param(False, marks=fake_only)], ids=["ordered", "unordered"]
+)
 def test_a_place_is_released_only_after_the_consumers_queued_work_on_it(name, monkeypatch, ordered):
     if not ordered:
         monkeypatch.setenv("TENSORSOCKET_TEST_UNORDERED", "release")

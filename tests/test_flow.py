@@ -17,12 +17,12 @@ from hypothesis.stateful import (
     rule,
 )
 
-from tensorsocket.flow import Deliver, Entry, EntryKind, Flow, LateJoin, Skipped
+from tensorsocket.flow import Deliver, Entry, EntryKind, Flow, LateJoin, Skipped, check_invariants
 
 BATCH, EPOCH_END, END = EntryKind.BATCH, EntryKind.EPOCH_END, EntryKind.END
 CIDS = st.sampled_from(["a", "b", "c", "d"])
 POLICIES = st.sampled_from(list(LateJoin))
-GARBAGE = -1  # what a slot holds after a reserved write was cancelled half-way
+GARBAGE = -1  # what a place holds after a reserved write was cancelled half-way
 
 
 def batch_payload(seq: int) -> tuple[str, int]:
@@ -38,7 +38,7 @@ class ConsumerModel:
     # Everything it passed, in order: (entry, skipped). Skipped entries were announced by a
     # Skipped action and never delivered.
     stream: list[tuple[Entry, bool]] = field(default_factory=list)
-    held: dict[int, int] = field(default_factory=dict)  # seq -> slot
+    held: dict[int, int] = field(default_factory=dict)  # seq -> place
     finished: bool = False
     catching_up: bool = False
     # Where its first entry must be, decided at join: ``start`` is its seq; if None, the
@@ -74,7 +74,7 @@ class FlowMachine(RuleBasedStateMachine):
         # policy skip needs 1 <= max_lag < window
         self.max_lag = 1 + (lag - 1) % (window - 1) if skip and window > 1 else None
         self.flow = Flow(window=window, places=self.k, max_lag=self.max_lag)
-        self.memory: dict[int, int] = {}  # slot -> seq last written into it
+        self.memory: dict[int, int] = {}  # place -> seq last written into it
         self.log: dict[int, Entry] = {}  # the whole stream as published, never trimmed
         self.next_seq = 0
         self.epoch = 0
@@ -85,18 +85,18 @@ class FlowMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ helpers
 
-    def _append(self, kind: EntryKind, slot: int | None, payload: object) -> Entry:
-        entry = Entry(self.next_seq, kind, slot, payload)
+    def _append(self, kind: EntryKind, place: int | None, payload: object) -> Entry:
+        entry = Entry(self.next_seq, kind, place, payload)
         self.log[entry.seq] = entry
         self.next_seq += 1
         return entry
 
     def _resident(self, seq: int) -> bool:
         e = self.log[seq]
-        return e.kind is not BATCH or self.memory.get(e.slot) == e.seq  # type: ignore[arg-type]
+        return e.kind is not BATCH or self.memory.get(e.place) == e.seq  # type: ignore[arg-type]
 
     def _replayable(self) -> bool:
-        """Every batch of the current epoch is still in its slot."""
+        """Every batch of the current epoch is still in its place."""
         return all(self._resident(s) for s in range(self.epoch_start, self.next_seq))
 
     def _oldest_resident_run(self) -> int:
@@ -204,9 +204,9 @@ class FlowMachine(RuleBasedStateMachine):
             m.stream.append((e, False))
             if e.kind is BATCH:
                 assert only is None or d.consumer == only, ("a batch for a consumer not involved", d)
-                assert e.slot is not None
-                assert self.memory.get(e.slot) == e.seq, ("sent an overwritten batch", e)
-                m.held[e.seq] = e.slot
+                assert e.place is not None
+                assert self.memory.get(e.place) == e.seq, ("sent an overwritten batch", e)
+                m.held[e.seq] = e.place
                 assert len(m.held) <= m.prefetch, ("prefetch exceeded", d.consumer, m)
             elif e.kind is END:
                 m.finished = True
@@ -215,54 +215,54 @@ class FlowMachine(RuleBasedStateMachine):
         for cid in {d.consumer for d in out if isinstance(d, Skipped)}:  # moved ahead just enough
             assert self._lag(self.consumers[cid]) - self._leader_lag() == self.max_lag, cid
 
-    def _free(self, slot: int) -> bool:
+    def _free(self, place: int) -> bool:
         """Never written, or its write was cancelled."""
-        return self.memory.get(slot, GARBAGE) == GARBAGE
+        return self.memory.get(place, GARBAGE) == GARBAGE
 
-    def _needed(self, slot: int) -> bool:
-        """Some consumer holds the slot's batch or has not been sent it yet (docstring rule)."""
-        seq = self.memory[slot]
+    def _needed(self, place: int) -> bool:
+        """Some consumer holds the place's batch or has not been sent it yet (docstring rule)."""
+        seq = self.memory[place]
         for m in self.consumers.values():
             pos = self._position(m)
             if seq in m.held or (pos is not None and pos <= seq):
                 return True
         return False
 
-    def _check_reserved(self, slot: int) -> None:
-        """reserve() gave ``slot``, which the producer is about to write: the window is open,
-        nobody may hold or still need what it contains, and it is a free slot if any, else
+    def _check_reserved(self, place: int) -> None:
+        """reserve() gave ``place``, which the producer is about to write: the window is open,
+        nobody may hold or still need what it contains, and it is a free place if any, else
         the oldest batch."""
-        assert 0 <= slot < self.k
+        assert 0 <= place < self.k
         assert not self._window_blocked_by(), ("published past the window", self._window_blocked_by())
         free = [i for i in range(self.k) if self._free(i)]
         if free:
-            assert slot in free, ("reserved a used slot while a free one exists", slot, free)
+            assert place in free, ("reserved a used place while a free one exists", place, free)
             return
-        old = self.memory[slot]
+        old = self.memory[place]
         for cid, m in self.consumers.items():
-            assert old not in m.held, ("reserved a held batch", slot, old, cid)
-        assert not self._needed(slot), ("reserved a batch not yet sent to all", slot, old)
+            assert old not in m.held, ("reserved a held batch", place, old, cid)
+        assert not self._needed(place), ("reserved a batch not yet sent to all", place, old)
         oldest = min(self.memory[i] for i in range(self.k) if not self._needed(i))
-        assert old == oldest, ("did not reuse the oldest batch's slot", slot, old, oldest)
+        assert old == oldest, ("did not reuse the oldest batch's place", place, old, oldest)
         if old >= self.epoch_start:
             event("reserve: overwrites a batch of the current epoch")
 
     def _check_stall_justified(self) -> None:
-        """reserve() said None: the window is full, or every slot is still needed."""
+        """reserve() said None: the window is full, or every place is still needed."""
         if self._window_blocked_by():
             event("reserve: window full")
             return
         for i in range(self.k):
-            assert not self._free(i), ("free slot refused", i)
-            assert self._needed(i), ("stalled on a slot nobody needs", i, self.memory[i])
+            assert not self._free(i), ("free place refused", i)
+            assert self._needed(i), ("stalled on a place nobody needs", i, self.memory[i])
 
     def _assert_ended_refuses(self) -> None:
         assert self.flow is not None
         with pytest.raises(RuntimeError):
             self.flow.reserve()
-        for slot in range(self.k):
+        for place in range(self.k):
             with pytest.raises(RuntimeError):
-                self.flow.publish(slot, batch_payload(self.next_seq))
+                self.flow.publish(place, batch_payload(self.next_seq))
 
     # ------------------------------------------------------------------ membership
 
@@ -321,8 +321,8 @@ class FlowMachine(RuleBasedStateMachine):
         dups = data.draw(st.lists(st.sampled_from(chosen), max_size=2), label="dups") if chosen else []
         seqs = data.draw(st.permutations(chosen + noise + dups), label="seqs")
         for seq in {s for s in seqs if s in m.held}:
-            slot = m.held.pop(seq)
-            assert self.memory.get(slot) == seq, ("a held batch was overwritten", slot, seq)
+            place = m.held.pop(seq)
+            assert self.memory.get(place) == seq, ("a held batch was overwritten", place, seq)
         out = self.flow.release(cid, iter(seqs))
         self._handle(out, only=cid)
 
@@ -333,8 +333,8 @@ class FlowMachine(RuleBasedStateMachine):
         assert self.flow is not None
         cid = data.draw(st.sampled_from(sorted(self.consumers)), label="cid")
         m = self.consumers[cid]
-        for seq, slot in m.held.items():
-            assert self.memory.get(slot) == seq, ("a held batch was overwritten", slot, seq)
+        for seq, place in m.held.items():
+            assert self.memory.get(place) == seq, ("a held batch was overwritten", place, seq)
         seqs = list(m.held)
         m.held.clear()
         self._handle(self.flow.release(cid, seqs), only=cid)
@@ -360,18 +360,18 @@ class FlowMachine(RuleBasedStateMachine):
             self._assert_ended_refuses()
             return
         for _ in range(n):
-            slot = self.flow.reserve()
-            if slot is None:
+            place = self.flow.reserve()
+            if place is None:
                 event("reserve: stalled")
                 self._check_stall_justified()
                 return
-            self._check_reserved(slot)
-            self.memory[slot] = self.next_seq  # the producer writes the batch, then publishes
-            entry = self._append(BATCH, slot, batch_payload(self.next_seq))
-            out = self.flow.publish(slot, entry.payload)
+            self._check_reserved(place)
+            self.memory[place] = self.next_seq  # the producer writes the batch, then publishes
+            entry = self._append(BATCH, place, batch_payload(self.next_seq))
+            out = self.flow.publish(place, entry.payload)
             assert self.flow.next_seq == self.next_seq
             self._handle(out)
-            self.flow.check()
+            check_invariants(self.flow)
 
     @rule()
     def reserve_then_cancel(self) -> None:
@@ -379,17 +379,17 @@ class FlowMachine(RuleBasedStateMachine):
         if self.ended:
             self._assert_ended_refuses()
             return
-        slot = self.flow.reserve()
-        if slot is None:
+        place = self.flow.reserve()
+        if place is None:
             self._check_stall_justified()
             return
-        self._check_reserved(slot)
-        self.memory[slot] = GARBAGE  # a failed write leaves the slot's bytes undefined
-        self.flow.cancel(slot)
+        self._check_reserved(place)
+        self.memory[place] = GARBAGE  # a failed write leaves the place's bytes undefined
+        self.flow.cancel(place)
         with pytest.raises(RuntimeError):
-            self.flow.cancel(slot)
+            self.flow.cancel(place)
         with pytest.raises(RuntimeError):
-            self.flow.publish(slot, batch_payload(self.next_seq))
+            self.flow.publish(place, batch_payload(self.next_seq))
 
     @rule(gate=st.integers(0, 3))
     def end_epoch(self, gate: int) -> None:
@@ -428,14 +428,14 @@ class FlowMachine(RuleBasedStateMachine):
     @invariant()
     def flow_invariants(self) -> None:
         if self.flow is not None:
-            self.flow.check()
+            check_invariants(self.flow)
 
     @invariant()
     def model_agrees(self) -> None:
         if self.flow is None:
             return
         assert set(self.flow.consumers) == set(self.consumers)
-        assert self.flow.slot_count == self.k
+        assert self.flow.place_count == self.k
         for cid, m in self.consumers.items():
             state = self.flow.consumers[cid]
             assert state.held == m.held, (cid, state, m)
@@ -448,8 +448,8 @@ class FlowMachine(RuleBasedStateMachine):
             assert self.flow.lag(cid) == self._lag(m), (cid, self.flow.lag(cid), self._lag(m))
             for i, (e, _) in enumerate(m.stream):
                 check_next(m.stream[i - 1][0] if i else None, e)
-            for seq, slot in m.held.items():
-                assert self.memory.get(slot) == seq, ("a held batch was overwritten", slot, seq)
+            for seq, place in m.held.items():
+                assert self.memory.get(place) == seq, ("a held batch was overwritten", place, seq)
         for i in range(self.k):
             expected = {cid for cid, m in self.consumers.items() if m.held.get(self.memory.get(i)) == i}
             assert self.flow.holders(i) == expected, (i, self.flow.holders(i), expected)
@@ -457,7 +457,7 @@ class FlowMachine(RuleBasedStateMachine):
     @invariant()
     def no_deadlock(self) -> None:
         """On a copy: everyone releases everything until nothing new comes; then the producer
-        can reserve a slot, or, after END, every consumer has been sent END."""
+        can reserve a place, or, after END, every consumer has been sent END."""
         if self.flow is None:
             return
         flow = copy.deepcopy(self.flow)
@@ -483,10 +483,10 @@ class FlowMachine(RuleBasedStateMachine):
                     if last[d.consumer] is None:
                         assert e.seq == self._expected_first(self.consumers[d.consumer]), e
                     if e.kind is BATCH:
-                        assert self.memory.get(e.slot) == e.seq  # type: ignore[arg-type]
+                        assert self.memory.get(e.place) == e.seq  # type: ignore[arg-type]
                     last[d.consumer] = e
                     progress = True
-            flow.check()
+            check_invariants(flow)
         for cid, state in flow.consumers.items():
             if last[cid] is None:  # nothing sent yet: its start must not have been published
                 assert self._expected_first(self.consumers[cid]) is None, (cid, state)
@@ -495,9 +495,9 @@ class FlowMachine(RuleBasedStateMachine):
         if flow.ended:
             assert flow.finished(), "a consumer was never sent END"
         else:
-            slot = flow.reserve()
-            assert slot is not None, "deadlock: everyone released, yet no slot is reservable"
-            flow.check()
+            place = flow.reserve()
+            assert place is not None, "deadlock: everyone released, yet no place is reservable"
+            check_invariants(flow)
 
 
 FlowMachine.TestCase.settings = settings(
@@ -513,10 +513,10 @@ TestFlowMachine = FlowMachine.TestCase
 
 
 def publish(flow: Flow, tag: object = None) -> tuple[int, list[Deliver]]:
-    slot = flow.reserve()
-    assert slot is not None
+    place = flow.reserve()
+    assert place is not None
     seq = flow.next_seq
-    return slot, flow.publish(slot, tag if tag is not None else batch_payload(seq))
+    return place, flow.publish(place, tag if tag is not None else batch_payload(seq))
 
 
 def sent(out: list[Deliver], cid: Hashable | None = None) -> list[int]:
@@ -535,33 +535,33 @@ def test_late_joiner_replays_resident_epoch_and_leaders_wait() -> None:
         _, out = publish(flow)
         assert sent(out, "a") == [seq]
     flow.release("a", [3, 4])
-    flow.check()
+    check_invariants(flow)
 
     out = flow.join("b", prefetch=1)  # epoch 1 (seqs 3, 4) is fully resident
     assert [(d.consumer, d.entry.seq, d.entry.kind) for d in out] == [("b", 3, BATCH)]
-    flow.check()
+    check_invariants(flow)
 
     # The producer may reuse the slots of epoch 0 but not those of epoch 1, which b still needs.
     for seq in (5, 6):
         _, out = publish(flow)
         assert [(d.consumer, d.entry.seq) for d in out] == [("a", seq)]  # a is not re-sent 3, 4
     assert flow.reserve() is None
-    flow.check()
+    check_invariants(flow)
 
     assert sent(flow.release("b", [3])) == [4]
     assert sent(flow.release("b", [4])) == [5]
     assert flow.consumers["b"].held == {5: flow.consumers["a"].held[5]}
     flow.release("a", [5, 6])
-    slot = flow.reserve()  # batch 3's slot, the oldest no one needs any more
-    assert slot == 2
-    flow.cancel(slot)
-    flow.check()
+    place = flow.reserve()  # batch 3's place, the oldest no one needs any more
+    assert place == 2
+    flow.cancel(place)
+    check_invariants(flow)
 
 
 def test_late_joiner_after_overwrite_waits_for_next_epoch() -> None:
     flow = Flow(window=2)
     flow.join("a", prefetch=1)
-    for seq in (0, 1, 2):  # seq 2 overwrites seq 0's slot: epoch 0 is no longer replayable
+    for seq in (0, 1, 2):  # seq 2 overwrites seq 0's place: epoch 0 is no longer replayable
         _, out = publish(flow)
         assert sent(out) == [seq]
         assert sent(flow.release("a", [seq])) == []
@@ -574,7 +574,7 @@ def test_late_joiner_after_overwrite_waits_for_next_epoch() -> None:
     assert sent(out, "a") == [4] and sent(out, "b") == []
     _, out = publish(flow)  # seq 5, epoch 1's first batch
     assert sent(out, "a") == [5] and sent(out, "b") == [5]
-    flow.check()
+    check_invariants(flow)
 
 
 def test_joiner_after_end_stream_gets_only_end() -> None:
@@ -598,7 +598,7 @@ def test_joiner_after_end_stream_gets_only_end() -> None:
         flow.end_epoch("e1")
     with pytest.raises(RuntimeError):
         flow.end_stream("end")
-    flow.check()
+    check_invariants(flow)
 
 
 @pytest.mark.parametrize("behind", [False, True])
@@ -613,19 +613,19 @@ def test_leave_frees_held_slots(behind: bool) -> None:
     flow.release("a", [0, 1])
     assert flow.reserve() is None  # b holds (or has not yet been sent) both batches
     flow.leave("b")
-    flow.check()
+    check_invariants(flow)
     assert all(not flow.holders(i) for i in range(2))
-    slot = flow.reserve()
-    assert slot is not None
-    flow.publish(slot, batch_payload(2))
+    place = flow.reserve()
+    assert place is not None
+    flow.publish(place, batch_payload(2))
     assert flow.reserve() is not None
     flow.leave("b")  # idempotent
     flow.leave("never-joined")
-    flow.check()
+    check_invariants(flow)
 
 
 @pytest.mark.parametrize("slots", [0, -1, 1.0, "2", None, True])
-def test_bad_slot_count(slots: object) -> None:
+def test_bad_place_count(slots: object) -> None:
     with pytest.raises(ValueError):
         Flow(window=slots)  # type: ignore[arg-type]
 
@@ -645,7 +645,7 @@ def test_duplicate_join() -> None:
     with pytest.raises(ValueError):
         flow.join("a", prefetch=2)
     assert flow.consumers["a"].prefetch == 1 and list(flow.consumers["a"].held) == [0]
-    flow.check()
+    check_invariants(flow)
 
 
 def test_publish_and_cancel_need_a_reservation() -> None:
@@ -654,12 +654,12 @@ def test_publish_and_cancel_need_a_reservation() -> None:
         flow.publish(0, "x")
     with pytest.raises(RuntimeError):
         flow.cancel(1)
-    slot = flow.reserve()
-    assert slot is not None
-    flow.cancel(slot)
+    place = flow.reserve()
+    assert place is not None
+    flow.cancel(place)
     with pytest.raises(RuntimeError):
-        flow.publish(slot, "x")
-    flow.check()
+        flow.publish(place, "x")
+    check_invariants(flow)
 
 
 def test_window_bounds_the_lead_and_extra_places_keep_consumed_batches() -> None:
@@ -671,7 +671,7 @@ def test_window_bounds_the_lead_and_extra_places_keep_consumed_batches() -> None
     assert sent(flow.release("a", [0, 1])) == [2, 3]
     flow.release("a", [2, 3])
     for seq in (4,):  # free places first: 0..4 all stay resident
-        slot, out = publish(flow)
+        place, out = publish(flow)
         assert sent(out, "a") == [seq]
         flow.release("a", [seq])
     assert flow.resident() == 5
@@ -682,9 +682,9 @@ def test_window_bounds_the_lead_and_extra_places_keep_consumed_batches() -> None
     for seq in range(0, 3):
         flow.release("late", [seq])
     assert flow.lag("late") == 1 and not flow.consumers["late"].catching_up
-    slot = flow.reserve()
-    assert slot is not None
-    flow.check()
+    place = flow.reserve()
+    assert place is not None
+    check_invariants(flow)
 
 
 def test_stall_window_blocks_on_a_consumer_without_credit() -> None:
@@ -715,7 +715,7 @@ def test_skip_moves_a_straggler_ahead_and_counts_what_it_missed() -> None:
                 assert d.consumer == "slow"
                 skipped += d.count
         flow.release("fast", list(flow.consumers["fast"].held))
-        flow.check()
+        check_invariants(flow)
     slow = flow.consumers["slow"]
     assert slow.skipped == skipped == 5  # it holds 0 and is owed the last 2 (7, 8)
     assert flow.lag("slow") == 2 and list(slow.held) == [0]
@@ -769,7 +769,7 @@ def test_now_starts_at_the_oldest_resident_batch_and_next_epoch_waits() -> None:
         ("now", 6),
         ("replay", 6),
     ]
-    flow.check()
+    check_invariants(flow)
 
 
 def test_at_a_boundary_every_policy_starts_with_the_next_epoch() -> None:
@@ -831,7 +831,7 @@ def test_skip_measures_lag_from_the_leader_and_the_window_from_the_leader() -> N
     out = flow.release("lead", [1])  # lead is sent 2: lag 1; slow 2 behind: moved past 1
     assert skips(out, "slow") == 1 and flow.lag("slow") - flow.lag("lead") == 1
     assert flow.consumers["slow"].skipped == 1
-    flow.check()
+    check_invariants(flow)
 
 
 def test_skip_waits_for_a_joiner_until_it_is_within_max_lag_of_the_leader() -> None:
@@ -848,7 +848,7 @@ def test_skip_waits_for_a_joiner_until_it_is_within_max_lag_of_the_leader() -> N
     flow.release("late", [2])  # 2 behind, within max_lag: no longer catching up
     assert flow.lag("late") == 2 and not flow.consumers["late"].catching_up
     assert flow.reserve() is not None
-    flow.check()
+    check_invariants(flow)
 
 
 def test_skip_a_waiting_consumer_that_starts_at_the_boundary_becomes_the_leader() -> None:
@@ -863,4 +863,4 @@ def test_skip_a_waiting_consumer_that_starts_at_the_boundary_becomes_the_leader(
     flow.release("old", [0])
     _, out = publish(flow)  # 4: new is sent it at once
     assert sent(out, "new") == [4]
-    flow.check()
+    check_invariants(flow)

@@ -11,22 +11,13 @@ import pytest
 import torch
 
 from tensorsocket import BatchModified, Consumer, Producer, TensorSocketError
-from tests.support import NestedLoader, expected_batch, same
+from tests.support import NestedLoader, expected_batch, same, wait_until
 
 
 def serving(producer: Producer, epochs: int = 1) -> threading.Thread:
     thread = threading.Thread(target=producer.serve, kwargs={"epochs": epochs}, daemon=True)
     thread.start()
     return thread
-
-
-def wait_for(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def test_slot_is_released_when_the_last_derived_view_dies(name):
@@ -44,7 +35,7 @@ def test_slot_is_released_when_the_last_derived_view_dies(name):
             assert producer.status()["published"] == 1
             assert same(row, expected_batch(0, 4)[0][1])
             del row
-            assert wait_for(lambda: producer.status()["published"] == 2)
+            wait_until(lambda: producer.status()["published"] == 2, 10, "batch 2 to be published")
             rest = []
             for b in it:  # one slot: the previous batch must be gone before the next
                 rest.append(b[1]["meta"][2])
@@ -70,7 +61,11 @@ def test_in_place_write_raises_batch_modified_and_is_logged(name, caplog):
     finally:
         producer.close()
         server.join(timeout=10)
-    assert wait_for(lambda: "sloppy-trainer" in caplog.text and "changed in shared memory" in caplog.text, 2)
+    wait_until(
+        lambda: "sloppy-trainer" in caplog.text and "changed in shared memory" in caplog.text,
+        2,
+        "the producer's log line naming the trainer that wrote in place",
+    )
 
 
 def test_copy_true_gives_private_batches_and_no_error(name):
@@ -164,7 +159,7 @@ def test_close_with_a_stalled_consumer_gives_up_after_linger(name, caplog):
     # Joins and never iterates; with prefetch=1 it cannot even be sent batch 1, so the END
     # that close() appends can never reach it.
     with Consumer(name=name, prefetch=1) as stalled:
-        assert wait_for(lambda: producer.status()["published"] == 2)
+        wait_until(lambda: producer.status()["published"] == 2, 10, "batch 2 to be published")
         start = time.monotonic()
         producer.close()
         assert time.monotonic() - start < 3.0

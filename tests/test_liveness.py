@@ -28,6 +28,7 @@ from tests.support import (
     serving,
     shm_segments,
     unique_name,
+    wait_until,
 )
 
 EPOCHS = 2
@@ -223,9 +224,12 @@ def test_consumer_closing_mid_epoch_leaves_at_once(name):
         finally:
             consumer.close()
         assert closed < 1.0, f"close() took {closed:.2f} s"
-        deadline = time.monotonic() + 5
-        while len(remaining := producer.status()["consumers"]) != 1 and time.monotonic() < deadline:
-            time.sleep(0.005)
+
+        def one_left() -> list[dict[str, Any]] | None:
+            consumers = producer.status()["consumers"]
+            return consumers if len(consumers) == 1 else None
+
+        remaining = wait_until(one_left, 5, "the producer to see the closed consumer leave", interval=0.005)
         left_after = time.monotonic() - t0
         assert [c["pid"] for c in remaining] == [other.pid]
         assert left_after < 1.0, f"the producer noticed the close after {left_after:.2f} s"
@@ -306,21 +310,22 @@ def test_stopped_consumer_is_evicted_after_its_timeout_and_the_other_stays_exact
                     assert same(batch, expected_batch(index, batches))
                     seen.append((epoch, index))
                     if not seen[1:]:  # after our first batch: stop the victim holding slots
-                        deadline = time.monotonic() + 30
-                        while not any(
-                            c["pid"] == victim.pid and c["held"] >= 2 for c in producer.status()["consumers"]
-                        ):
-                            assert time.monotonic() < deadline, "the victim never held 2 batches"
+
+                        def victim_holds_two() -> bool:
                             assert victim.is_alive(), "the victim died (see its stderr)"
-                            time.sleep(0.005)
+                            consumers = producer.status()["consumers"]
+                            return any(c["pid"] == victim.pid and c["held"] >= 2 for c in consumers)
+
+                        wait_until(victim_holds_two, 30, "the victim to hold 2 batches", interval=0.005)
                         assert victim.is_alive(), "the victim died (see its stderr)"
                         os.kill(victim.pid, signal.SIGSTOP)
                         stopped_at = time.monotonic()
-                        while any(c["pid"] == victim.pid for c in producer.status()["consumers"]):
-                            assert time.monotonic() - stopped_at < 10, (
-                                "the stopped consumer was never evicted"
-                            )
-                            time.sleep(0.005)
+                        wait_until(
+                            lambda: not any(c["pid"] == victim.pid for c in producer.status()["consumers"]),
+                            10,
+                            "the stopped consumer to be evicted",
+                            interval=0.005,
+                        )
                         evicted_after = time.monotonic() - stopped_at
             assert list(consumer) == [] and consumer.finished
         finally:
@@ -349,7 +354,7 @@ def test_evicted_consumer_never_yields_the_batches_it_had_queued(name):
     producer = Producer(NestedLoader(batches), name=name, slots=3, replay=0, min_consumers=2)
     with serving(producer, 1) as (server, errors):
         silent = Consumer(name=name, timeout=0.5)
-        silent._heartbeat = 3600.0  # says nothing, so the producer evicts it after 0.5 s
+        silent._conn.heartbeat = 3600.0  # says nothing, so the producer evicts it after 0.5 s
         try:
             with Consumer(name=name, timeout=10) as other:
                 # Blocked behind the silent one's 3 held slots until it is evicted.
@@ -369,13 +374,17 @@ def test_consumer_that_gave_up_on_a_slow_welcome_leaves_no_ghost(name, caplog):
     holding the producer's lock stands in for a producer too busy to answer in time."""
     producer = Producer(NestedLoader(2), name=name, slots=2, replay=0)
     try:
-        with producer._changed:  # the I/O thread cannot handle the HELLO until we let go
+        with producer._shared.changed:  # the I/O thread cannot handle the HELLO until we let go
             with pytest.raises(ProducerLost, match="no producer answered"):
                 Consumer(name=name, timeout=0.5, label="impatient")
-        deadline = time.monotonic() + 5
-        while not any("impatient" in r.getMessage() and "left" in r.getMessage() for r in caplog.records):
-            assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records]
-            time.sleep(0.01)
+        wait_until(
+            lambda: any("impatient" in r.getMessage() and "left" in r.getMessage() for r in caplog.records),
+            5,
+            lambda: (
+                f"the producer to log that 'impatient' left; it logged {[r.getMessage() for r in caplog.records]}"
+            ),
+            interval=0.01,
+        )
         assert producer.status()["consumers"] == []
     finally:
         producer.close()
@@ -395,10 +404,12 @@ def test_consumer_resumed_after_eviction_raises_before_handing_out_a_queued_batc
             next(it)
             assert ready.wait(30)
             os.kill(victim.pid, signal.SIGSTOP)
-            stopped_at = time.monotonic()
-            while any(c["pid"] == victim.pid for c in producer.status()["consumers"]):
-                assert time.monotonic() - stopped_at < 10, "the stopped consumer was never evicted"
-                time.sleep(0.01)
+            wait_until(
+                lambda: not any(c["pid"] == victim.pid for c in producer.status()["consumers"]),
+                10,
+                "the stopped consumer to be evicted",
+                interval=0.01,
+            )
             for _ in range(8):  # the leader moves on: the victim's queued batches' slots are reused
                 next(it)
             go.value = 1

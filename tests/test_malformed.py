@@ -21,7 +21,7 @@ from tensorsocket import Consumer, Producer, ProducerLost, ProtocolError, protoc
 from tensorsocket.endpoint import resolve
 from tensorsocket.host import boot_id, pid_namespace
 from tensorsocket.protocol import Kind
-from tests.support import NestedLoader, expected_batch, join_or_fail, same
+from tests.support import NestedLoader, expected_batch, join_or_fail, same, wait_until
 
 EPOCHS = 2
 
@@ -268,10 +268,11 @@ def test_hostile_traffic_is_answered_and_a_real_consumer_is_served_exactly(name)
 
         status = producer.status()
         assert status["bad_messages"] == expected_bad
-        deadline = time.monotonic() + 3
-        while [c["label"] for c in producer.status()["consumers"]] != [consumer.label]:
-            assert time.monotonic() < deadline, producer.status()["consumers"]
-            time.sleep(0.02)
+        wait_until(
+            lambda: [c["label"] for c in producer.status()["consumers"]] == [consumer.label],
+            3,
+            lambda: f"the raw peers to be gone; consumers: {producer.status()['consumers']}",
+        )
         traffic_done.set()
 
         for t in threads:
@@ -299,10 +300,7 @@ def test_silent_raw_peer_is_evicted_and_told_so_when_it_returns(name):
             sock.send(protocol.encode(Kind.HELLO, **hello(label="silent", timeout=0.3)))
             receive(sock, {Kind.WELCOME})
             assert [c["label"] for c in producer.status()["consumers"]] == ["silent"]
-            deadline = time.monotonic() + 3
-            while producer.status()["consumers"]:
-                assert time.monotonic() < deadline, "silent peer was not evicted"
-                time.sleep(0.02)
+            wait_until(lambda: not producer.status()["consumers"], 3, "the silent peer to be evicted")
             kind, msg = receive(sock, {Kind.EVICTED})  # told when it was dropped
             assert "0.3" in msg["reason"]
             drain(sock)
@@ -486,7 +484,10 @@ BAD_ARENAS = {
     ),
     "name escaping /dev/shm": (lambda seg, outside: ["shm", 0, "../.." + outside, 4096], ProtocolError),
     "absolute path as name": (lambda seg, outside: ["shm", 0, outside, 4096], ProtocolError),
-    "not a tensorsocket segment": (lambda seg, outside: ["shm", 0, "some-other-program", 4096], ProtocolError),
+    "not a tensorsocket segment": (
+        lambda seg, outside: ["shm", 0, "some-other-program", 4096],
+        ProtocolError,
+    ),
 }
 
 
@@ -528,15 +529,20 @@ def test_eviction_reply_to_a_release_after_end_does_not_fail_the_consumer(name, 
         protocol.encode(Kind.END, seq=2, reason=None),
     ]
     stranger = protocol.encode(Kind.EVICTED, reason="unknown consumer: it was evicted or never joined")
-    fake = FakeProducer(name, arenas=[["shm", 0, segment, 4096]], frames=frames, replies={Kind.RELEASE: stranger})
+    fake = FakeProducer(
+        name, arenas=[["shm", 0, segment, 4096]], frames=frames, replies={Kind.RELEASE: stranger}
+    )
     consumer = Consumer(name=name, timeout=5)
     try:
         epoch = iter(consumer)
         held = next(epoch)
-        deadline = time.monotonic() + 5
-        while Kind.BYE not in fake.received:  # END seen while we still hold the batch
-            assert time.monotonic() < deadline, fake.received
-            time.sleep(0.01)
+        # END seen while we still hold the batch
+        wait_until(
+            lambda: Kind.BYE in fake.received,
+            5,
+            lambda: f"our BYE; the fake got {fake.received}",
+            interval=0.01,
+        )
         assert same(held, torch.zeros(4))
         del held
         assert fake.replied.wait(5)  # our RELEASE drew EVICTED

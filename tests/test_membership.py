@@ -23,6 +23,7 @@ from tests.support import (
     serving,
     shm_segments,
     start_consumers,
+    wait_until,
 )
 
 # ---------------------------------------------------------------------------- helpers
@@ -86,13 +87,6 @@ class Reader(threading.Thread):
             self.consumer.close()
 
 
-def wait_until(predicate: Any, timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
-
-
 # ---------------------------------------------------------------------------- late joiners
 
 
@@ -104,9 +98,9 @@ def test_joiner_inside_the_replay_window_sees_the_whole_epoch_in_its_own_process
     joiners, joined = start_consumers(name, 1, epochs, batches, go=go)  # started, not yet joined
     with serving(producer, epochs) as (server, errors):
         leaders, results = start_consumers(name, 1, epochs, batches)
-        wait_until(lambda: producer.status()["next_seq"] >= 4, what="the leader to be mid-epoch")
+        wait_until(lambda: producer.status()["next_seq"] >= 4, 30, "the leader to be mid-epoch")
         go.set()
-        wait_until(lambda: len(producer.status()["consumers"]) == 2, what="the joiner")
+        wait_until(lambda: len(producer.status()["consumers"]) == 2, 30, "the joiner")
         assert producer.status()["epoch"] == 0, "the epoch ended before the joiner could join"
         reports = [results.get(timeout=60), joined.get(timeout=60)]
         for p in leaders + joiners:
@@ -127,7 +121,7 @@ def test_joiner_outside_the_replay_window_follows_its_policy(name, policy, caplo
     with serving(producer, epochs) as (server, errors):
         leader = Reader(name, step=0.03, label="leader")
         leader.start()
-        wait_until(lambda: producer.status()["next_seq"] >= 5, what="batch 0 to be overwritten")
+        wait_until(lambda: producer.status()["next_seq"] >= 5, 30, "batch 0 to be overwritten")
         joiner = Reader(name, late_join=policy, label="joiner")
         joiner.start()
         join_or_fail(leader)
@@ -353,10 +347,8 @@ def test_churn_of_a_hundred_joins_and_leaves_leaves_nothing_behind(name):
         for r in survivors:
             r.start()
         # Warm up: every place has been written (the replay buffer is full) before the baseline.
-        wait_until(lambda: producer.status()["next_seq"] > 3 * (batches + 1), what="warm-up")
-        wait_until(
-            lambda: producer.status()["resident_batches"] == producer.status()["places"], what="places"
-        )
+        wait_until(lambda: producer.status()["next_seq"] > 3 * (batches + 1), 30, "warm-up")
+        wait_until(lambda: producer.status()["resident_batches"] == producer.status()["places"], 30, "places")
         done = SPAWN.Queue()  # (its pipe exists before the baseline)
         before = producer.status()
         segments = len(shm_segments(os.getpid()))
@@ -371,9 +363,9 @@ def test_churn_of_a_hundred_joins_and_leaves_leaves_nothing_behind(name):
         driver.close()
         assert outcomes["killed"] == 50 and outcomes["closed"] == 50
 
-        wait_until(lambda: len(producer.status()["consumers"]) == 2, what="the churners to be gone")
+        wait_until(lambda: len(producer.status()["consumers"]) == 2, 30, "the churners to be gone")
         progress = producer.status()["published"]
-        wait_until(lambda: producer.status()["published"] > progress + batches, what="progress after churn")
+        wait_until(lambda: producer.status()["published"] > progress + batches, 30, "progress after churn")
         after = producer.status()
         deadline = time.monotonic() + 5  # zmq closes connections in its own thread
         while len(open_fds()) > len(fds) and time.monotonic() < deadline:

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from tensorsocket import Producer, sweep
+from tensorsocket import Producer
+from tensorsocket.cli import sweep
 from tensorsocket.host import pid_alive
-from tests.support import shm_segments, unique_name
+from tests.support import shm_segments, unique_name, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "consumer" / "train.py"
@@ -80,7 +81,7 @@ def workdir(tmp_path: Path) -> Path:
 def run_sweep(workdir: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     """Run a sweep; past ``timeout`` interrupt it (so it stops its trainers and producer)
     and fail."""
-    command = [sys.executable, "-m", "tensorsocket.sweep", *args]
+    command = [sys.executable, "-m", "tensorsocket.cli.sweep", *args]
     proc = subprocess.Popen(command, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -155,7 +156,7 @@ def test_ctrl_c_stops_trainers_and_producer(workdir: Path) -> None:
     logs = workdir / "logs"
     proc = subprocess.Popen(
         [
-            sys.executable, "-m", "tensorsocket.sweep",
+            sys.executable, "-m", "tensorsocket.cli.sweep",
             "--pipeline", "pipe.py:make",
             "--trainer", "python trainer.py --epochs 100000 --step 0.2",
             "--grid", "a=0,1",
@@ -168,10 +169,17 @@ def test_ctrl_c_stops_trainers_and_producer(workdir: Path) -> None:
         text=True,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 40
-        while "serving 100000 epoch(s)" not in _read(logs / "producer.log"):
-            assert proc.poll() is None and time.monotonic() < deadline, _read(logs / "producer.log")
-            time.sleep(0.1)
+
+        def serving_started() -> bool:
+            assert proc.poll() is None, _read(logs / "producer.log")
+            return "serving 100000 epoch(s)" in _read(logs / "producer.log")
+
+        wait_until(
+            serving_started,
+            40,
+            lambda: f"the sweep's producer to serve; its log: {_read(logs / 'producer.log')}",
+            interval=0.1,
+        )
         time.sleep(0.5)
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=40)

@@ -28,12 +28,8 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from tensorsocket.errors import TensorSocketError
+from tensorsocket.errors import GpuPathError  # defined in errors.py; still importable from here
 from tensorsocket.host import boot_id
-
-
-class GpuPathError(TensorSocketError):
-    """No way exists to get the producer's GPU batches to this consumer; says why and what to do."""
 
 
 @dataclass(frozen=True)

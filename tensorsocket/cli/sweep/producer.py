@@ -1,5 +1,6 @@
-"""The producer process of ``tensorsocket sweep``, one per wave: ``python -m
-tensorsocket.sweep _serve ...`` (the sweep starts it; not a command for people).
+"""The producer process of ``tensorsocket sweep``, one per wave: ``python -m tensorsocket.cli.sweep _serve``.
+
+The sweep starts it; not a command for people.
 
 It binds, writes its endpoint to ``--ready-file``, waits until every trial of the wave has
 joined or was reported on stdin as ``exited``, then serves ``--epochs`` epochs. ``stop`` on
@@ -19,24 +20,23 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .cli_common import positive_int
-from .pipeline import PipelineError, describe, keyvalue
-from .pipeline import load as load_pipeline
+from ...pipeline import PipelineError, describe, keyvalue
+from ...pipeline import load as load_pipeline
+from ..common import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, positive_int
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 _STUCK_EXIT = 30.0  # this process kills itself if still running this long after a stop
 
 
 def main(argv: list[str]) -> int:
-    """``python -m tensorsocket.sweep _serve``: the sweep's producer process.
+    """``python -m tensorsocket.cli.sweep _serve``: the sweep's producer process.
 
     Binds, writes its endpoint to ``--ready-file``, waits until every one of ``--consumers``
     trials joined or was reported on stdin as ``exited``, serves ``--epochs`` epochs and
     exits. ``stop`` on stdin, or stdin closing (the sweep is gone), ends the stream early.
     """
-    from .producer import Producer
+    from ...producer import Producer
 
-    parser = argparse.ArgumentParser(prog="python -m tensorsocket.sweep _serve")
+    parser = argparse.ArgumentParser(prog="python -m tensorsocket.cli.sweep _serve")
     parser.add_argument("--pipeline", required=True)
     parser.add_argument("--pipeline-arg", dest="pipeline_args", action="append", type=keyvalue, default=[])
     parser.add_argument("--name", required=True)
@@ -109,7 +109,7 @@ class _WaveServer:
             self.finished.set()
 
     def _serve(self, epochs: int) -> int:
-        from .host import pid_alive
+        from ...host import pid_alive
 
         producer = self.producer
         try:

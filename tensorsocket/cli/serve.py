@@ -1,4 +1,4 @@
-"""``tensorsocket serve PIPELINE``: a standalone producer in the foreground."""
+"""``tensorsocket serve PIPELINE``: a standalone producer in the foreground, with a progress line."""
 
 from __future__ import annotations
 
@@ -10,9 +10,15 @@ import sys
 import threading
 from typing import Any
 
-from . import endpoint as endpoints
-from .cli_common import (
+from .. import endpoint as endpoints
+from ..options import STRAGGLERS, default_max_lag
+from ..pipeline import call as call_pipeline
+from ..pipeline import describe, keyvalue
+from ..pipeline import load as load_pipeline
+from ..status import ProducerStatus, bottleneck
+from .common import (
     EXIT_FAIL,
+    EXIT_INTERRUPTED,
     EXIT_OK,
     UsageError,
     add_endpoint_options,
@@ -23,13 +29,8 @@ from .cli_common import (
     seconds,
     size,
 )
-from .pipeline import call as call_pipeline
-from .pipeline import describe, keyvalue
-from .pipeline import load as load_pipeline
 
 log = logging.getLogger("tensorsocket")
-
-STRAGGLERS = ("stall", "skip")  # as tensorsocket.producer.STRAGGLERS, without importing it (torch)
 
 
 def add_parser(sub: Any) -> None:
@@ -170,23 +171,28 @@ def _configure_logging(level: str) -> None:
 
 def _progress(producer: Any, every: float, stop: threading.Event) -> None:
     """Log a line every ``every`` seconds while something changes."""
-    from .cli_status import bottleneck
-
-    previous: dict[str, Any] | None = None
+    previous: ProducerStatus | None = None
     while not stop.wait(every):
         try:
             s = producer.status()
         except Exception:
             return
-        before = previous or {"published": 0, "consumers": [], "uptime_s": 0.0}
-        if s["published"] == before["published"] and len(s["consumers"]) == len(before["consumers"]):
+        if previous is None:
+            published, consumers, uptime = 0, 0, 0.0
+        else:
+            published, consumers, uptime = (
+                previous["published"],
+                len(previous["consumers"]),
+                previous["uptime_s"],
+            )
+        if s["published"] == published and len(s["consumers"]) == consumers:
             continue
-        span = max(s["uptime_s"] - before["uptime_s"], 1e-9)
+        span = max(s["uptime_s"] - uptime, 1e-9)
         log.info(
             "epoch %d, %d batches published (%.1f/s), %d consumer(s); bottleneck: %s",
             s["epoch"],
             s["published"],
-            (s["published"] - before["published"]) / span,
+            (s["published"] - published) / span,
             len(s["consumers"]),
             bottleneck(s, previous),
         )
@@ -198,7 +204,7 @@ def _describe_setup(args: argparse.Namespace, options: dict[str, Any]) -> str:
     if options["grace"] is not None and args.min_consumers > 1:
         waiting += f" (or {options['grace']:g} s after the first)"
     if options["stragglers"] == "skip":
-        lag = options["max_lag"] if options["max_lag"] is not None else max(1, args.slots // 2)
+        lag = options["max_lag"] if options["max_lag"] is not None else default_max_lag(args.slots)
         pace = f"stragglers skip beyond {lag} batches"
     else:
         pace = "the slowest consumer sets the pace"
@@ -211,7 +217,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     endpoint = resolve(args)
     _configure_logging(args.log_level)
 
-    from .producer import Producer
+    from ..producer import Producer
 
     stopping = threading.Event()
 
@@ -270,7 +276,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # serve() has ended the stream cleanly, or nothing was served yet
         if producer is None:
             log.info("interrupted before serving")
-            return 130
+            return EXIT_INTERRUPTED
         log.info("stopped")
         return EXIT_OK
     finally:

@@ -1,6 +1,7 @@
-"""``tensorsocket sweep``: what it shows. The live progress (a redrawn block on a terminal,
-plain event lines otherwise) and the summary: a table on stdout, summary.json and
-summary.csv in the logs folder."""
+"""What ``tensorsocket sweep`` shows: the live progress, and the summary (table, summary.json, summary.csv).
+
+The progress is a redrawn block on a terminal, plain event lines otherwise.
+"""
 
 from __future__ import annotations
 
@@ -11,12 +12,10 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
 
-from .pipeline import convert
-
-if TYPE_CHECKING:
-    from .sweep import Trial
+from ...pipeline import convert
+from .trials import Trial
 
 _REFRESH = 1.0  # seconds between redraws of the live status on a terminal
 

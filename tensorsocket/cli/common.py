@@ -1,5 +1,4 @@
-"""What the ``tensorsocket`` subcommands share: exit codes, the usage error, option types,
-the --name / --endpoint options and number formatting.
+"""What every ``tensorsocket`` subcommand shares: exit codes, the usage error, option types, formatting.
 
 Kept free of torch, zmq and the producer, so ``tensorsocket --help`` and ``tensorsocket
 status`` start fast (each command imports what it needs when it runs).
@@ -12,9 +11,11 @@ import math
 import re
 import sys
 
-from . import endpoint as endpoints
+from .. import endpoint as endpoints
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+# 0 success (a graceful stop included); 1 a runtime failure (nothing serves the name, a trial
+# failed, the loader failed mid-stream); 2 a usage error; 130 interrupted (Ctrl-C)
+EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 class UsageError(Exception):

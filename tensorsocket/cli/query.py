@@ -1,0 +1,76 @@
+"""Ask the producer serving an endpoint for its status, over one zmq round trip (no torch)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from .. import endpoint as endpoints
+from ..status import ProducerStatus, check
+
+
+class NoProducer(Exception):
+    """Nothing answers at the endpoint (the argument)."""
+
+
+def _ipc_listening(path: str) -> bool:
+    """False when nothing can be listening on the ipc socket ``path``: no such file, or a
+    file left behind that refuses connections. True otherwise (ask to know for sure)."""
+    import socket
+
+    if not os.path.exists(path):
+        return False
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False
+    except OSError:
+        return True  # something else: let the query decide
+    finally:
+        probe.close()
+    return True
+
+
+def query_status(endpoint: str, timeout: float) -> ProducerStatus:
+    """Send STATUS to the producer at ``endpoint`` and return its status.
+
+    Raises NoProducer when nothing answers within ``timeout`` (at once when the ipc socket
+    file does not exist)."""
+    import zmq
+
+    from .. import protocol
+    from ..errors import ProtocolError
+    from ..protocol import Kind
+
+    if endpoint.startswith("ipc://") and not _ipc_listening(endpoint[len("ipc://") :]):
+        raise NoProducer(endpoint)
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_REPLY_BYTES)
+        sock.connect(endpoints.connect_address(endpoint))
+        sock.send(protocol.encode(Kind.STATUS, status=None))
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+                raise NoProducer(endpoint)
+            try:
+                kind, msg = protocol.decode(sock.recv(), protocol.MAX_REPLY_BYTES)
+            except ProtocolError as exc:
+                raise RuntimeError(f"the producer at {endpoint} sent a malformed reply: {exc}") from None
+            if kind is Kind.STATUS and isinstance(msg["status"], dict):
+                try:
+                    return check(msg["status"])
+                except ValueError as exc:
+                    raise RuntimeError(
+                        f"the producer at {endpoint} sent a status this version cannot read: {exc}"
+                    ) from None
+            if kind in (Kind.ERROR, Kind.EVICTED):
+                raise RuntimeError(f"the producer at {endpoint} refused the query: {msg['reason']}")
+            # anything else (a heartbeat) is not for us: keep waiting
+    finally:
+        sock.close(0)

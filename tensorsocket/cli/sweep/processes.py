@@ -1,0 +1,203 @@
+"""The processes of one sweep wave: its producer child and trainers, started, watched and stopped."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ... import endpoint as endpoints
+from .report import Display, tail
+from .trials import SweepError, Trial, parse_result
+
+_TICK = 0.1  # seconds between checks of the trial processes
+_TERM_GRACE = 5.0  # seconds between SIGTERM and SIGKILL for a trainer
+_PRODUCER_GRACE = 3.0  # after the last trial of a wave: time for the producer to finish alone
+_PRODUCER_STOP = 15.0  # after "stop": time for the producer to close before SIGKILL
+
+
+class _ProducerProcess:
+    """The producer child: started, waited for until bound, told which trials exited."""
+
+    def __init__(self, args: argparse.Namespace, name: str, consumers: int, logs: Path, wave: int) -> None:
+        self.ready_file = logs / f".producer-{wave}.ready"
+        self.ready_file.unlink(missing_ok=True)
+        command = [sys.executable, "-m", "tensorsocket.cli.sweep", "_serve", "--pipeline", args.pipeline]
+        for key, value in args.pipeline_args:
+            command += ["--pipeline-arg", f"{key}={value}"]
+        command += [
+            "--name", name,
+            "--slots", str(args.slots),
+            "--epochs", str(args.epochs),
+            "--consumers", str(consumers),
+            "--ready-file", str(self.ready_file),
+        ]  # fmt: skip
+        self.log = logs / "producer.log"
+        with open(self.log, "ab") as log:
+            log.write(f"--- wave {wave}: {shlex.join(command)}\n".encode())
+            log.flush()
+            self.process = subprocess.Popen(
+                command,
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                start_new_session=True,  # Ctrl-C reaches the sweep only; it stops the producer in order
+            )
+        self.endpoint: str | None = None
+
+    def ready(self) -> bool:
+        """True once bound (then ``endpoint`` is set); raises SweepError if it exited first."""
+        if self.endpoint is not None:
+            return True
+        if self.ready_file.exists():
+            self.endpoint = self.ready_file.read_text().strip()
+            self.ready_file.unlink(missing_ok=True)
+            return True
+        code = self.process.poll()
+        if code is not None:
+            raise SweepError(
+                f"the producer did not start (exit code {code}); the end of {self.log}:\n{tail(self.log)}"
+            )
+        return False
+
+    def tell(self, line: str) -> None:
+        if self.process.stdin is None:
+            return
+        try:
+            self.process.stdin.write(line.encode() + b"\n")
+            self.process.stdin.flush()
+        except OSError:  # it already exited
+            pass
+
+    def stop(self, grace: float) -> int | None:
+        """Let it finish within ``grace`` s, else tell it to stop; SIGKILL as a last resort."""
+        try:
+            return self.process.wait(grace)
+        except subprocess.TimeoutExpired:
+            pass
+        self.tell("stop")
+        try:
+            return self.process.wait(_PRODUCER_STOP)
+        except subprocess.TimeoutExpired:
+            try:  # its process group: DataLoader workers included
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except OSError:
+                self.process.kill()
+            return self.process.wait()
+        finally:
+            if self.process.stdin is not None:
+                try:
+                    self.process.stdin.close()
+                except OSError:
+                    pass
+
+
+def _start_trial(trial: Trial, endpoint: str) -> None:
+    env = {
+        **os.environ,
+        endpoints.ENV: endpoint,
+        "TENSORSOCKET_TRIAL": trial.name,
+        "PYTHONUNBUFFERED": "1",
+    }
+    with open(trial.log, "wb") as log:
+        log.write(f"# {trial.name}: {shlex.join(trial.command)}\n".encode())
+        log.flush()
+        try:
+            trial.process = subprocess.Popen(
+                trial.command,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,  # its own process group: stopped as a whole
+            )
+        except OSError as exc:
+            log.write(f"cannot start the trainer: {exc}\n".encode())
+            trial.process = None
+    trial.started = time.monotonic()
+    trial.status = "running"
+    if trial.process is None:
+        _finish(trial, 127)
+
+
+def _finish(trial: Trial, code: int, status: str | None = None) -> None:
+    trial.ended = time.monotonic()
+    trial.exit_code = code
+    trial.status = status or ("done" if code == 0 else "failed")
+    try:
+        trial.result = parse_result(trial.log.read_text(errors="replace"))
+    except OSError:
+        trial.result = None
+
+
+def terminate(trials: list[Trial]) -> None:
+    """SIGTERM the process group of every running trial, SIGKILL what is left after a grace."""
+    running = [t for t in trials if t.process is not None and t.process.poll() is None]
+    for t in running:
+        assert t.process is not None
+        try:
+            os.killpg(t.process.pid, signal.SIGTERM)
+        except OSError:
+            pass
+    deadline = time.monotonic() + _TERM_GRACE
+    for t in running:
+        assert t.process is not None
+        try:
+            t.process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(t.process.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            t.process.wait()
+    for t in trials:
+        if t.status == "running" and t.process is not None:
+            _finish(t, t.process.returncode, "stopped")
+
+
+def run_wave(
+    args: argparse.Namespace,
+    name: str,
+    wave: list[Trial],
+    number: int,
+    waves: int,
+    logs: Path,
+    display: Display,
+) -> None:
+    display.note = f" (wave {number}/{waves})" if waves > 1 else ""
+    if waves > 1:
+        display.event(f"wave {number}/{waves}: {', '.join(t.name for t in wave)}")
+    producer = _ProducerProcess(args, name, len(wave), logs, number)
+    try:
+        while not producer.ready():
+            time.sleep(0.05)
+            display.refresh()
+        assert producer.endpoint is not None
+        for trial in wave:
+            _start_trial(trial, producer.endpoint)
+            display.changed(trial)
+            if trial.status != "running":  # could not even start: the producer must not wait for it
+                producer.tell("exited")
+        while any(t.status == "running" for t in wave):
+            time.sleep(_TICK)
+            for trial in wave:
+                if trial.status == "running" and trial.process is not None:
+                    code = trial.process.poll()
+                    if code is not None:
+                        _finish(trial, code)
+                        producer.tell("exited")
+                        display.changed(trial)
+            display.refresh()
+        code = producer.stop(_PRODUCER_GRACE)
+        if code not in (0, None):
+            display.event(f"the producer exited with code {code}; see {producer.log}")
+    except BaseException:
+        terminate(wave)
+        producer.stop(0.0)
+        raise

@@ -1,0 +1,198 @@
+"""The public Consumer: a drop-in replacement for a DataLoader that yields the producer's
+batches as zero-copy views. It checks its arguments, starts the I/O thread (which joins the
+producer within ``timeout``) and hands iteration to :class:`~.iteration.Batches`."""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import warnings
+import weakref
+from typing import Any
+
+import torch
+
+from .. import endpoint as endpoints
+from ..errors import Closed
+from ..flow import LateJoin
+from ..rebatch import Rebatcher, batches_per_epoch
+from ..transport import Reader, parse_device
+from ..wakeup import stop_loop
+from . import io_loop
+from .iteration import Batches, EpochIterator
+from .shared import Settings, Shared
+
+log = logging.getLogger("tensorsocket")
+
+_UNLIMITED_PREFETCH = 1 << 16
+
+
+class Consumer:
+    """Iterate the batches a :class:`~tensorsocket.Producer` shares.
+
+    ``for batch in consumer`` runs one epoch and stops exactly at the producer's epoch end;
+    iterate again for the next epoch. Batches are views of shared memory that stay valid as
+    long as you hold any tensor of them; they are read-only by contract (use ``copy=True``
+    for private copies). ``device`` is where tensors appear (views of a GPU producer's
+    memory on its own GPU, else a copy there). ``batch_size`` / ``drop_last`` re-cut the
+    producer's batches into batches of this size, as a DataLoader with them would (views
+    where a batch lies inside one producer batch). ``late_join`` says where a consumer
+    joining mid-epoch starts: ``"replay"`` (the current epoch from its first batch if the
+    producer still has it, else the next epoch), ``"next_epoch"``, or ``"now"`` (the oldest
+    batch the producer still has; that first epoch is partial). ``prefetch`` bounds the
+    batches this consumer holds or has queued (default and maximum: the producer's slots).
+    ``timeout`` is how long the producer may stay silent before :class:`ProducerLost` is
+    raised, and how long this consumer may stay silent before the producer evicts it.
+    ``stream`` (GPU batches only): the CUDA stream your work on the batches is queued on,
+    when it is not the current stream at ``next()``; a batch's memory is released to the
+    producer only after the work queued there before its last view died has run.
+    """
+
+    def __init__(
+        self,
+        name: str | None = None,
+        *,
+        endpoint: str | None = None,
+        device: str | torch.device = "cpu",
+        copy: bool = False,
+        timeout: float = 10.0,
+        prefetch: int | None = None,
+        batch_size: int | None = None,
+        drop_last: bool = False,
+        late_join: str = "replay",
+        label: str | None = None,
+        stream: Any = None,
+    ) -> None:
+        self._closed = True  # until the I/O thread joined: nothing to close, no warning
+        if not isinstance(timeout, (int, float)) or not 0.05 <= timeout <= 86400:
+            raise ValueError(f"timeout must be a number of seconds in [0.05, 86400], got {timeout!r}")
+        if prefetch is not None and (type(prefetch) is not int or prefetch < 1):
+            raise ValueError(f"prefetch must be a positive int or None, got {prefetch!r}")
+        if not isinstance(copy, bool):
+            raise ValueError(f"copy must be True or False, got {copy!r}")
+        try:
+            self.late_join = LateJoin(late_join)
+        except ValueError:
+            choices = ", ".join(repr(p.value) for p in LateJoin)
+            raise ValueError(f"late_join must be one of {choices}, got {late_join!r}") from None
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        # Validates batch_size and drop_last; None: batches as the producer cut them.
+        rebatcher = Rebatcher(batch_size, drop_last) if batch_size is not None else None
+        if batch_size is None and drop_last is not False:
+            raise ValueError(
+                "drop_last needs a batch_size: without one the producer's batches arrive as they are"
+            )
+        self.device = parse_device(device)
+        self.endpoint = endpoints.resolve(name, endpoint)
+        self.stream = stream
+        self.copy = copy
+        self.timeout = float(timeout)
+        self.label = label if label is not None else f"pid {os.getpid()}"
+        if not isinstance(self.label, str) or len(self.label) > 128:
+            raise ValueError("label must be a string of at most 128 characters")
+        settings = Settings(
+            self.endpoint,
+            self.label,
+            self.timeout,
+            prefetch or _UNLIMITED_PREFETCH,
+            self.late_join.value,
+            batch_size,
+            self.device,
+            stream,
+            copy,
+        )
+        shared = self._shared = Shared()
+        outcome: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._io = threading.Thread(
+            target=io_loop.run, args=(shared, settings, outcome), name="tensorsocket-consumer-io", daemon=True
+        )
+        self._io.start()
+        joined = outcome.get()  # the handshake is bounded by timeout; the thread always answers
+        if isinstance(joined, BaseException):
+            self._io.join(timeout=5.0)
+            shared.wakeup.close()
+            raise joined
+        welcome, reader, self._conn = joined  # _conn: the I/O thread's state (white-box tests read it)
+        self._reader: Reader = reader
+        self.batches_per_epoch: int | None = welcome["batches"]
+        self.samples_per_epoch: int | None = welcome["samples"]
+        self.slots: int = welcome["slots"]
+        self._batches = Batches(shared, settings, reader, self._io, self.slots, rebatcher)
+        self._closed = False
+        # At interpreter exit (or when dropped), stop the thread before zmq is torn down
+        # under it: a daemon thread still using its socket then aborts the process. The
+        # thread holds the shared record, not this object, so a dropped Consumer is
+        # collected and its thread then leaves the producer (which drops its holds).
+        weakref.finalize(self, stop_loop, shared.stop, shared.wakeup, self._io)
+
+    def __len__(self) -> int:
+        """Batches per epoch: the producer loader's len(), or with ``batch_size`` what this
+        consumer's re-cut yields. TypeError if the producer cannot tell."""
+        if self.batch_size is None:
+            if self.batches_per_epoch is None:
+                raise TypeError("the producer's loader has no len()")
+            return self.batches_per_epoch
+        if self.samples_per_epoch is None:
+            raise TypeError(
+                "the producer cannot tell how many samples an epoch has (its loader is not a "
+                "DataLoader with a sized sampler, nor a list), so len() with batch_size is unknown"
+            )
+        return batches_per_epoch(self.samples_per_epoch, self.batch_size, self.drop_last)
+
+    def __iter__(self) -> EpochIterator:
+        """The next epoch. If the previous epoch's loop was left early, its remaining batches
+        are skipped (as a new DataLoader iterator starts a new epoch)."""
+        self._check_open()
+        self._batches.start_epoch()
+        return EpochIterator(self._batches, owner=self)
+
+    @property
+    def skipped(self) -> int:
+        """Batches the producer moved this consumer past (stragglers="skip")."""
+        return self._batches.skipped
+
+    @property
+    def delivery(self) -> str:
+        """ "views" (batches are views of the producer's memory: zero copy) or "copy" (copied
+        to this consumer's device: a GPU other than the producer's, or the host)."""
+        return self._reader.delivery
+
+    @property
+    def finished(self) -> bool:
+        """True once the producer ended the stream and this consumer saw the end."""
+        return self._batches.ended
+
+    def close(self) -> None:
+        """Leave the producer at once (it stops waiting for us and takes back every place this
+        consumer held: batches you still hold may be overwritten mid-stream, so clone what
+        you keep past close(); after the end of stream they stay valid). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        shared = self._shared
+        shared.stop.set()
+        shared.wakeup.wake()
+        self._io.join(timeout=5.0)
+        while True:  # drop queued batches; their finalizers fire and are ignored now
+            try:
+                shared.queue.get_nowait()
+            except queue.Empty:
+                break
+        self._reader.close()
+
+    def __enter__(self) -> Consumer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            warnings.warn(f"Consumer of {self.endpoint} was not closed", ResourceWarning, stacklevel=1)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise Closed(f"consumer of {self.endpoint} is closed")

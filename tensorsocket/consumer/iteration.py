@@ -1,0 +1,237 @@
+"""The consumer's caller's thread: take the next batch the I/O thread built, in this
+consumer's batch size; epoch ends, skips, eviction, hoarding and in-place writes.
+
+Every wait is bounded: a tick re-checks that the I/O thread is alive and that this consumer
+is not waiting for a batch it can never get.
+"""
+
+from __future__ import annotations
+
+import collections
+import gc
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+from ..errors import BatchModified, Closed, Hoarding, ProducerLost
+from ..rebatch import Rebatcher, batch_length
+from ..transport import Reader
+from .io_loop import TICK
+from .shared import BATCH, END, EPOCH_END, SKIPPED, Settings, Shared
+
+log = logging.getLogger("tensorsocket")
+
+
+class Batches:
+    """What ``for batch in consumer`` runs on; used by the caller's thread only."""
+
+    def __init__(
+        self,
+        shared: Shared,
+        settings: Settings,
+        reader: Reader,
+        io: threading.Thread,
+        slots: int,
+        rebatcher: Rebatcher | None,
+    ) -> None:
+        self.shared, self.settings, self.reader, self.io = shared, settings, reader, io
+        self.slots, self.rebatcher = slots, rebatcher
+        self.ended = False
+        self.mid_epoch = False
+        self.error: Exception | None = None
+        self.ready: collections.deque[Any] = collections.deque()  # re-cut batches not yet yielded
+        self.stop_pending = False  # the epoch ended after the batches in ready
+        self.skipped = 0  # batches the producer moved this consumer past (stragglers="skip")
+        self.skipped_epoch = 0
+        self.first_batch = True
+
+    def start_epoch(self) -> None:
+        """A new epoch: if the previous one's loop was left early, skip the rest of it (as a
+        new DataLoader iterator starts a new epoch)."""
+        while self.mid_epoch:
+            try:
+                self.next_batch()
+            except StopIteration:
+                break
+        self.ready.clear()
+        self.stop_pending = False
+        if self.rebatcher is not None:
+            self.rebatcher.flush()  # drop a remainder left behind by a loop that broke early
+
+    def next_for_user(self) -> Any:
+        """The next batch in this consumer's batch size; StopIteration at the epoch's end."""
+        shared = self.shared
+        t0 = shared.wait_started = time.monotonic()
+        try:
+            batch = self.next_batch() if self.rebatcher is None else self._next_rebatched()
+        finally:
+            shared.waiting += time.monotonic() - t0
+            shared.wait_started = None
+        shared.taken_batches += 1
+        shared.taken_samples += batch_length(batch) or 0
+        return batch
+
+    def _next_rebatched(self) -> Any:
+        assert self.rebatcher is not None
+        while not self.ready:
+            if self.stop_pending:
+                self.stop_pending = False
+                raise StopIteration
+            try:
+                self.ready.extend(self.rebatcher.push(self.next_batch()))
+            except StopIteration:
+                tail = self.rebatcher.flush()
+                if tail is None:
+                    raise
+                self.ready.append(tail)
+                self.stop_pending = True
+        return self.ready.popleft()
+
+    def next_batch(self) -> Any:
+        """The next producer batch of the current epoch, or StopIteration at its end."""
+        if self.ended:
+            raise StopIteration
+        if self.error is not None:
+            raise self.error
+        self._check_violation()
+        kind, payload = self._take()
+        while kind == SKIPPED:
+            self._note_skipped(payload)
+            kind, payload = self._take()
+        if kind == BATCH:
+            self._catch_up_after_freeze()
+            if self.shared.evicted is not None:  # evicted while this batch waited in the queue
+                self.error = self.shared.evicted
+                raise self.error
+            self.mid_epoch = True
+            batch, epoch, index, seq, token, release = payload
+            # Counted as held from here (not when built): the hoarding check must not count a
+            # batch the I/O thread is still building or queueing. A batch delivered as a copy
+            # dropped its views in the I/O thread already: it holds nothing.
+            if release.alive:
+                self.shared.live.add(seq)
+                self.reader.handed_out(token)
+            if self.first_batch:
+                self.first_batch = False
+                if index:
+                    log.warning(
+                        "consumer %r joined epoch %d at its batch %d (late_join=%r): this first epoch is partial",
+                        self.settings.label,
+                        epoch,
+                        index,
+                        self.settings.late_join,
+                    )
+            return batch
+        self.mid_epoch = False
+        if kind == EPOCH_END:
+            if self.skipped_epoch:
+                log.warning(
+                    "consumer %r skipped %d batches of epoch %d: it fell more than max_lag batches behind the fastest",
+                    self.settings.label,
+                    self.skipped_epoch,
+                    payload,
+                )
+                self.skipped_epoch = 0
+            raise StopIteration
+        if kind == END:
+            self.ended = True
+            if payload:
+                raise ProducerLost(f"the producer at {self.settings.endpoint} ended the stream: {payload}")
+            raise StopIteration
+        self.error = payload
+        raise payload
+
+    def _take(self) -> tuple[str, Any]:
+        """Block for the next queue item, with the checks that make a wait finite."""
+        while True:
+            try:
+                return self.shared.queue.get(timeout=TICK)
+            except queue.Empty:
+                pass
+            if not self.io.is_alive():
+                try:  # what it queued just before it stopped (the reason) comes first
+                    return self.shared.queue.get_nowait()
+                except queue.Empty:
+                    pass
+                if self.shared.stop.is_set():
+                    raise Closed(f"consumer of {self.settings.endpoint} is closed")
+                raise ProducerLost(f"the consumer's I/O thread for {self.settings.endpoint} stopped")
+            self._check_hoarding()
+
+    def _note_skipped(self, count: int) -> None:
+        if not self.skipped:
+            log.warning(
+                "consumer %r fell more than max_lag batches behind the fastest consumer (stragglers='skip'): "
+                "it skips batches from now on; Consumer.skipped counts them",
+                self.settings.label,
+            )
+        self.skipped += count
+        self.skipped_epoch += count
+
+    def _catch_up_after_freeze(self) -> None:
+        """After this process was frozen (SIGSTOP, a debugger) for longer than the producer
+        waits, it was evicted and its queued batches' places may hold other data by now, but
+        the EVICTED message may not be read yet. The I/O thread notices the freeze at its next
+        turn (a gap over ``timeout / 2``; eviction needs more than ``timeout``) and asks the
+        producer something; its answer comes after EVICTED. So: if the I/O thread has not
+        turned since the freeze, wait for it to; then wait for the answer."""
+        shared, timeout = self.shared, self.settings.timeout
+        seen = shared.io_tick
+        if time.monotonic() - seen > timeout / 2:
+            deadline = time.monotonic() + 1.0
+            while shared.io_tick == seen and self.io.is_alive() and time.monotonic() < deadline:
+                time.sleep(0.002)
+        if shared.synced.is_set():
+            return
+        deadline = time.monotonic() + timeout
+        while not shared.synced.wait(0.01):
+            if not self.io.is_alive():
+                return  # it stopped: next_batch raises the error it left
+            if time.monotonic() > deadline:
+                raise ProducerLost(
+                    f"the producer at {self.settings.endpoint} did not answer after this process was frozen"
+                )
+
+    def _check_hoarding(self) -> None:
+        limit = min(self.settings.prefetch, self.slots)
+        if len(self.shared.live) < limit:
+            return
+        gc.collect()  # batches kept alive only by reference cycles
+        live = len(self.shared.live)
+        if live >= limit:
+            raise Hoarding(
+                f"this consumer holds {live} batches, all it may hold (prefetch={self.settings.prefetch}, "
+                f"producer slots={self.slots}), and waits for another: that can never arrive. "
+                "Drop references to old batches, use Consumer(copy=True), or give the producer "
+                "more slots"
+            )
+
+    def _check_violation(self) -> None:
+        message = None
+        while self.shared.violations:
+            message = self.shared.violations.popleft()
+        if message is not None:
+            raise BatchModified(message)
+
+
+class EpochIterator:
+    """One epoch of ``for batch in consumer``; a class so no generator frame pins a batch."""
+
+    def __init__(self, batches: Batches, owner: object) -> None:
+        self._batches = batches
+        self._owner = owner  # the Consumer: `for b in Consumer(...)` keeps it alive for the epoch
+        self._done = False
+
+    def __iter__(self) -> EpochIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self._done:
+            raise StopIteration
+        try:
+            return self._batches.next_for_user()
+        except StopIteration:
+            self._done = True
+            raise

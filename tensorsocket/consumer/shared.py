@@ -1,0 +1,74 @@
+"""What the consumer's caller's thread and its I/O thread share: one record, each field with
+one writer (or a thread-safe container), as listed here.
+
+* ``queue`` (SimpleQueue): the I/O thread puts built batches, epoch and stream markers and
+  errors, in the order they arrived; the caller's thread takes them.
+* ``released`` (deque): release callbacks append (any thread: a batch's last view can die
+  anywhere, and a GPU reader calls back from its waiter thread); the I/O thread pops.
+* ``live`` (set of seqs handed out and not yet dropped): the caller's thread adds at
+  hand-out; finalizers discard, in any thread (set.add / discard / len are atomic under the GIL).
+* ``violations`` (deque): the I/O thread appends a message when a batch changed while held;
+  the caller's thread pops it and raises BatchModified.
+* ``evicted``, ``stream_over``, ``io_tick``: the I/O thread only; the caller's thread reads.
+* ``synced`` (Event): the I/O thread clears it after a freeze and sets it at the answer.
+* ``taken_batches``, ``taken_samples``, ``waiting``, ``wait_started``: the caller's thread
+  only; the I/O thread reads them for its STATS reports.
+* ``stop`` (Event): close() sets it; ``wakeup``: any thread pokes it.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..wakeup import Wakeup
+
+# Queue item kinds
+BATCH, SKIPPED, EPOCH_END, END, ERROR = "batch", "skipped", "epoch_end", "end", "error"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """A consumer's settings, fixed at construction; read by both threads."""
+
+    endpoint: str
+    label: str
+    timeout: float
+    prefetch: int
+    late_join: str
+    batch_size: int | None
+    device: Any
+    stream: Any
+    copy: bool
+
+
+@dataclass
+class Shared:
+    """The record both threads share (see the module docstring for who writes what)."""
+
+    queue: queue.SimpleQueue[tuple[str, Any]] = field(default_factory=queue.SimpleQueue)
+    released: collections.deque[tuple[Any, ...]] = field(default_factory=collections.deque)
+    live: set[int] = field(default_factory=set)
+    violations: collections.deque[str] = field(default_factory=collections.deque)
+    wakeup: Wakeup = field(default_factory=Wakeup)
+    stop: threading.Event = field(default_factory=threading.Event)
+    synced: threading.Event = field(default_factory=threading.Event)
+    evicted: Exception | None = None
+    stream_over: bool = False  # END or an error arrived: the producer may now go away
+    io_tick: float = field(default_factory=time.monotonic)  # when the I/O thread's poll last returned
+    taken_batches: int = 0
+    taken_samples: int = 0
+    waiting: float = 0.0
+    wait_started: float | None = None  # inside next() since then: a wait in progress counts
+
+    def __post_init__(self) -> None:
+        self.synced.set()
+
+    def fail(self, exc: Exception) -> None:
+        """The I/O thread ends this consumer's stream with ``exc`` (raised by next())."""
+        self.stream_over = True
+        self.queue.put((ERROR, exc))

@@ -1,0 +1,240 @@
+"""The producer's I/O thread: it creates and owns the ROUTER socket, applies every valid
+incoming message to the shared record, evicts dead or silent consumers, sends heartbeats,
+and drains the outbox in the order the flow decided.
+
+The socket is created and bound in this thread (a ZeroMQ socket belongs to one thread); the
+constructor waits for the bind's outcome, so a bind error still raises from ``Producer()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Hashable
+from typing import Any
+
+import zmq
+
+from .. import protocol
+from ..errors import ProtocolError
+from ..flow import LateJoin
+from ..host import boot_id, pid_alive, pid_namespace, same_host
+from ..protocol import Kind
+from .shared import Peer, Shared
+
+log = logging.getLogger("tensorsocket")
+
+TICK = 0.05  # seconds between liveness checks
+_MAX_HEARTBEAT = 1.0
+_BIND_TIMEOUT = 30.0
+
+
+class IoLoop:
+    """The I/O thread's state and its loop. Only this thread touches the socket."""
+
+    def __init__(self, shared: Shared, endpoint: str, owner: object) -> None:
+        self.shared = shared
+        self._owner = owner  # the Producer: kept alive while this thread serves its consumers
+        self._bound: queue.SimpleQueue[str | BaseException] = queue.SimpleQueue()
+        self.thread = threading.Thread(
+            target=self._run, args=(endpoint,), name="tensorsocket-producer-io", daemon=True
+        )
+
+    def start(self) -> str:
+        """Start the thread; return the endpoint it bound (a tcp ``:*`` resolved to its port),
+        or raise RuntimeError naming the endpoint if the bind failed."""
+        self.thread.start()
+        try:
+            outcome = self._bound.get(timeout=_BIND_TIMEOUT)
+        except queue.Empty:
+            raise RuntimeError(f"the producer's I/O thread did not bind within {_BIND_TIMEOUT:g} s") from None
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    # ------------------------------------------------------------------ the loop
+
+    def _run(self, endpoint: str) -> None:
+        socket = zmq.Context.instance().socket(zmq.ROUTER)
+        socket.setsockopt(zmq.LINGER, 500)
+        socket.setsockopt(zmq.SNDHWM, 0)  # never drop: credits bound what is queued
+        socket.setsockopt(zmq.RCVHWM, 0)
+        socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_REQUEST_BYTES)
+        try:
+            if endpoint.startswith("tcp://") and endpoint.endswith(":*"):
+                port = socket.bind_to_random_port(endpoint[: -len(":*")])
+                endpoint = f"{endpoint[:-2]}:{port}"
+            else:
+                socket.bind(endpoint)
+        except zmq.ZMQError as exc:
+            socket.close(0)
+            self._bound.put(RuntimeError(f"cannot bind {endpoint}: {exc}"))
+            return
+        self._bound.put(endpoint)
+        self.socket = socket
+        self.endpoint = endpoint
+        shared = self.shared
+        poller = zmq.Poller()
+        poller.register(socket, zmq.POLLIN)
+        poller.register(shared.wakeup.fd, zmq.POLLIN)
+        next_tick = 0.0
+        try:
+            while not shared.stop.is_set():
+                events = dict(poller.poll(int(TICK * 1000)))
+                if shared.wakeup.fd in events:
+                    shared.wakeup.drain()
+                if socket in events:
+                    self._receive()
+                now = time.monotonic()
+                if now >= next_tick:
+                    self._check_peers(now)
+                    next_tick = now + TICK
+                self._flush(now)
+            self._flush(time.monotonic())
+        except Exception:
+            log.exception("producer I/O thread on %s failed", endpoint)
+        finally:
+            socket.close()
+            with shared.changed:
+                shared.changed.notify_all()
+
+    def _flush(self, now: float) -> None:
+        shared = self.shared
+        with shared.changed:
+            frames = list(shared.outbox)
+            shared.outbox.clear()
+            for cid, _ in frames:
+                peer = shared.peers.get(cid)
+                if peer is not None:
+                    peer.last_sent = now
+        for cid, frame in frames:
+            try:
+                self.socket.send_multipart([cid, frame], zmq.NOBLOCK)  # type: ignore[list-item]
+            except zmq.Again:
+                log.warning("dropped a message to %r: its queue is full", cid)
+
+    def _receive(self) -> None:
+        for _ in range(1000):  # bounded, so ticks still run under a flood
+            try:
+                frames = self.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 2:
+                self._bad(frames[0], f"expected 1 frame after the routing id, got {len(frames) - 1}")
+                continue
+            cid, frame = frames
+            try:
+                kind, msg = protocol.decode(frame)
+                with self.shared.changed:
+                    self._handle(cid, kind, msg)
+                    self.shared.changed.notify_all()
+            except ProtocolError as exc:
+                self._bad(cid, str(exc))
+
+    def _bad(self, cid: bytes, reason: str) -> None:
+        shared = self.shared
+        with shared.changed:
+            shared.stats["bad_messages"] += 1
+            count = shared.stats["bad_messages"]
+            shared.outbox.append((cid, protocol.encode(Kind.ERROR, reason=reason[:4000])))
+        if count <= 20 or count % 1000 == 0:
+            log.warning("bad message from %r: %s (%d so far)", cid, reason, count)
+
+    # ------------------------------------------------------------------ messages (lock held)
+
+    def _handle(self, cid: bytes, kind: Kind, msg: dict[str, Any]) -> None:
+        """Apply one valid message."""
+        shared = self.shared
+        now = time.monotonic()
+        peer = shared.peers.get(cid)
+        if peer is not None:
+            peer.last_seen = now
+        if kind is Kind.HELLO:
+            self._hello(cid, msg, now)
+        elif kind is Kind.STATUS:
+            shared.outbox.append((cid, protocol.encode(Kind.STATUS, status=shared.status())))
+        elif peer is None:
+            if kind is not Kind.BYE:
+                reason = "unknown consumer: it was evicted or never joined"
+                shared.outbox.append((cid, protocol.encode(Kind.EVICTED, reason=reason)))
+        elif kind is Kind.RELEASE:
+            shared.send_all(shared.flow.release(cid, msg["seqs"]))
+        elif kind is Kind.BYE:
+            self._drop(cid, "left")
+        elif kind is Kind.STATS:
+            peer.stats.append((now, msg["taken_batches"], msg["taken_samples"], float(msg["waiting"])))
+        elif kind is Kind.MODIFIED:
+            log.error(
+                "%s reports batch %d (epoch %d, index %d) changed in shared memory while it held it: "
+                "an in-place op on a shared batch corrupts every consumer's data; use copy=True "
+                "or out-of-place ops",
+                peer.describe(),
+                msg["seq"],
+                msg["epoch"],
+                msg["index"],
+            )
+        elif kind is not Kind.HEARTBEAT:
+            raise ProtocolError(f"a consumer may not send {kind.value} messages")
+
+    def _hello(self, cid: bytes, msg: dict[str, Any], now: float) -> None:
+        shared, config = self.shared, self.shared.config
+        if cid in shared.peers:
+            raise ProtocolError("HELLO from a consumer that already joined")
+        local = same_host(msg["boot_id"], msg["pidns"])
+        shared.store.admit(msg, local)
+        peer = Peer(
+            msg["label"], msg["pid"], float(msg["timeout"]), local, now, now, msg["device"], msg["batch_size"]
+        )
+        shared.peers[cid] = peer
+        if shared.first_join is None:
+            shared.first_join = now
+        welcome = protocol.encode(
+            Kind.WELCOME,
+            pid=os.getpid(),
+            boot_id=boot_id(),
+            pidns=pid_namespace(),
+            batches=config.batches_per_epoch,
+            samples=config.samples_per_epoch,
+            slots=config.slots,
+            transport=shared.store.kind,
+            gpu=shared.store.gpu,
+            arenas=shared.store.describe(),
+            heartbeat=_heartbeat_interval(peer),
+        )
+        shared.outbox.append((cid, welcome))
+        shared.send_all(shared.flow.join(cid, msg["prefetch"], LateJoin(msg["late_join"])))
+        state = shared.flow.consumers[cid]
+        where = (
+            "waits for the next epoch"
+            if state.cursor is None
+            else f"starts {shared.flow.lag(cid)} batches behind"
+        )
+        log.info("%s joined (%d connected); it %s", peer.describe(), len(shared.peers), where)
+
+    def _drop(self, cid: Hashable, why: str) -> None:
+        shared = self.shared
+        peer = shared.peers.pop(cid, None)
+        shared.flow.leave(cid)
+        if peer is not None:
+            log.info("%s %s (%d connected)", peer.describe(), why, len(shared.peers))
+
+    def _check_peers(self, now: float) -> None:
+        shared = self.shared
+        with shared.changed:
+            for cid, peer in list(shared.peers.items()):
+                if peer.local and not pid_alive(peer.pid):
+                    self._drop(cid, "died; evicted")
+                elif now - peer.last_seen > peer.timeout:
+                    self._drop(cid, f"was silent for {now - peer.last_seen:.1f} s; evicted")
+                    reason = f"evicted after {peer.timeout:g} s without a message"
+                    shared.outbox.append((cid, protocol.encode(Kind.EVICTED, reason=reason)))
+                elif now - peer.last_sent > _heartbeat_interval(peer):
+                    shared.outbox.append((cid, protocol.encode(Kind.HEARTBEAT)))
+            shared.changed.notify_all()
+
+
+def _heartbeat_interval(peer: Peer) -> float:
+    return min(_MAX_HEARTBEAT, peer.timeout / 4)

@@ -1,0 +1,188 @@
+"""The producer's caller's thread: pull a batch from the loader, wait for a free place,
+write the batch there, and publish it once written; end epochs and the stream.
+
+Every wait re-checks, each tick, that the producer was not closed and that its I/O thread
+is alive, so no wait here outlives the producer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from .. import layout, protocol
+from ..errors import Closed, IoThreadDied
+from ..protocol import Kind
+from .io_loop import TICK, IoLoop
+from .shared import Shared
+
+log = logging.getLogger("tensorsocket")
+
+_MAX_REPLAY_BATCHES = 4096  # each place is an arena every consumer maps: bound their number
+
+
+class Publisher:
+    """Publishes the loader's batches; lives in (and is used only by) the caller's thread,
+    except :meth:`end_stream` and :meth:`wait`, which close() may call from another."""
+
+    def __init__(self, shared: Shared, io: IoLoop, min_consumers: int, grace: float | None) -> None:
+        self.shared, self.io = shared, io
+        self.min_consumers, self.grace = min_consumers, grace
+        self.closing = False  # close() has begun: waits in the caller's thread end quietly
+        self.started = False  # the first batch was pulled
+        self.epoch_open = False
+        self.index = 0
+        self.loader_iter: Iterator[Any] | None = None
+
+    def next_batch(self) -> Any:
+        """Publish the loader's next batch and return it; StopIteration at the epoch's end."""
+        shared = self.shared
+        endpoint = shared.config.endpoint
+        if self.started:
+            self.wait(lambda: len(shared.peers) >= 1, None, "a consumer to join")
+        else:
+            self.wait(self._may_start, None, f"{self.min_consumers} consumer(s) to join")
+        t0 = time.perf_counter()
+        assert self.loader_iter is not None
+        try:
+            batch = next(self.loader_iter)
+        except StopIteration:
+            self.end_epoch()
+            raise
+        t1 = time.perf_counter()
+        plan = layout.plan(batch)
+        if not self.started:
+            self._size_replay(plan.nbytes)
+        self.started = True
+        place_box: list[int] = []
+
+        def reserved() -> bool:
+            if shared.flow.ended:
+                raise Closed(f"producer on {endpoint} was closed")
+            place = shared.flow.reserve()
+            if place is not None:
+                place_box.append(place)
+            return place is not None
+
+        t_place = time.perf_counter()
+        self.wait(reserved, None, "a free place")
+        place_wait = time.perf_counter() - t_place
+        place = place_box[0]
+        try:
+            arena = shared.store.prepare(place, plan.nbytes)  # slow for big arenas: not under the lock
+            if arena is not None:
+                with shared.changed:
+                    shared.broadcast(protocol.encode(Kind.ARENA, arena=shared.store.install(arena)))
+            # Announce after completion: the BATCH goes out only once the bytes are where
+            # consumers read them (on a GPU, the copy's event fired), so no consumer ever
+            # waits on the producer's GPU work.
+            fingerprint = shared.store.write(place, plan).wait()
+        except BaseException:
+            with shared.changed:
+                shared.flow.cancel(place)
+            if self.closing:  # close() from another thread closed the store under us
+                raise Closed(f"producer on {endpoint} was closed") from None
+            raise
+        with shared.changed:
+            if shared.flow.ended:  # closed while we wrote
+                raise Closed(f"producer on {endpoint} was closed")
+            frame = protocol.encode(
+                Kind.BATCH,
+                seq=shared.flow.next_seq,
+                epoch=shared.flow.epoch,
+                index=self.index,
+                place=place,
+                layout=plan.encode(),
+                fingerprint=fingerprint,
+            )
+            if len(frame) > protocol.MAX_REPLY_BYTES:
+                shared.flow.cancel(place)
+                raise TypeError(
+                    f"batch {self.index} of epoch {shared.flow.epoch} describes itself in {len(frame)} bytes "
+                    f"(limit {protocol.MAX_REPLY_BYTES}): its str / bytes / scalar leaves travel in the "
+                    "message; put large data in tensors or NumPy arrays"
+                )
+            shared.send_all(shared.flow.publish(place, frame))
+            self.index += 1
+            stats = shared.stats
+            stats["published"] += 1
+            stats["loader_wait"] += t1 - t0
+            stats["publish_time"] += time.perf_counter() - t1
+            stats["slot_wait"] += place_wait
+        shared.wakeup.wake()
+        return batch
+
+    def _may_start(self) -> bool:
+        """Before the first batch: enough consumers, or the grace period is over (lock held)."""
+        shared = self.shared
+        if len(shared.peers) >= self.min_consumers:
+            return True
+        return (
+            self.grace is not None
+            and bool(shared.peers)
+            and shared.first_join is not None
+            and time.monotonic() - shared.first_join >= self.grace
+        )
+
+    def _size_replay(self, nbytes: int) -> None:
+        """Turn the replay budget into places, now that a batch's size is known."""
+        shared, config = self.shared, self.shared.config
+        places = min(config.replay // max(nbytes, 1), _MAX_REPLAY_BATCHES)
+        if config.batches_per_epoch is not None:
+            places = min(places, config.batches_per_epoch)  # one whole epoch is all a joiner needs
+        with shared.changed:
+            shared.flow.add_places(places)
+            shared.replay_places = places
+        log.info("replay buffer: %d batches of %d bytes (budget %d bytes)", places, nbytes, config.replay)
+
+    def start_epoch(self, source: Any) -> None:
+        if self.epoch_open:  # the previous epoch's loop was left early: end it where it is
+            self.end_epoch()
+        self.loader_iter = iter(source)
+        self.epoch_open = True
+        self.index = 0
+
+    def end_epoch(self) -> None:
+        shared = self.shared
+        with shared.changed:
+            if not self.epoch_open:  # already ended (close() raced the caller's thread)
+                return
+            self.epoch_open = False
+            if shared.flow.ended:
+                raise Closed(f"producer on {shared.config.endpoint} was closed")
+            frame = protocol.encode(Kind.EPOCH_END, seq=shared.flow.next_seq, epoch=shared.flow.epoch)
+            shared.send_all(shared.flow.end_epoch(frame))
+        shared.wakeup.wake()
+
+    def end_stream(self, reason: str | None) -> None:
+        shared = self.shared
+        with shared.changed:
+            if shared.flow.ended:
+                return
+            frame = protocol.encode(Kind.END, seq=shared.flow.next_seq, reason=reason)
+            shared.send_all(shared.flow.end_stream(frame))
+        shared.wakeup.wake()
+
+    def wait(self, predicate: Callable[[], bool], deadline: float | None, what: str) -> None:
+        """Wait under the lock until ``predicate()``; re-check every tick so close() and a
+        dead I/O thread are noticed. Raises TimeoutError at ``deadline``."""
+        shared = self.shared
+        with shared.changed:
+            while not predicate():
+                if shared.stop.is_set():
+                    raise Closed(f"producer on {shared.config.endpoint} stopped while waiting for {what}")
+                if not self.io.thread.is_alive():
+                    raise IoThreadDied(
+                        f"the I/O thread of the producer on {shared.config.endpoint} stopped while "
+                        f"waiting for {what} (its error is logged above)"
+                    )
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"gave up waiting for {what}")
+                shared.changed.wait(TICK)
+
+    def all_left(self) -> bool:
+        """After END: every consumer said BYE (it has mapped every arena it was sent, so the
+        arenas may be freed), left, or died."""
+        return self.shared.flow.ended and not self.shared.peers

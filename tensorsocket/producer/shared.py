@@ -1,0 +1,152 @@
+"""What the producer's two threads share: one record, guarded by one condition.
+
+The caller's thread (publishing) and the I/O thread (the socket) meet only here. Every field
+is read and written under ``changed`` (a Condition over one lock), except where noted:
+
+* ``flow``: both threads (publish / release, join / leave).
+* ``peers``: the I/O thread adds and drops them; the caller's thread reads them.
+* ``outbox``: both append frames in the order the flow decided them; the I/O thread drains it.
+* ``store``: the caller's thread prepares and writes places *outside* the lock (the store's
+  own rule: only the caller's thread writes) and installs them under it; the I/O thread reads
+  its descriptors and admits consumers under it; close() closes it under it.
+* ``stats``: the caller's thread adds its timings; the I/O thread counts bad messages.
+* ``first_join``: the I/O thread; ``replay_places``: the caller's thread.
+* ``stop``: an Event, set by close() from any thread; ``wakeup``: any thread pokes it.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import protocol
+from ..flow import Action, Deliver, Flow, Skipped
+from ..protocol import Kind
+from ..status import ConsumerStatus, ProducerStatus, Report, rates
+from ..transport import Store
+from ..wakeup import Wakeup
+
+
+@dataclass
+class Peer:
+    """What the I/O thread knows of a joined consumer besides its flow state."""
+
+    label: str
+    pid: int
+    timeout: float
+    local: bool  # same host and pid namespace: its pid can be watched
+    joined: float
+    last_seen: float
+    device: str = "cpu"
+    batch_size: int | None = None
+    last_sent: float = 0.0
+    # its STATS reports, the last few seconds of them
+    stats: collections.deque[Report] = field(default_factory=lambda: collections.deque(maxlen=32))
+
+    def describe(self) -> str:
+        return f"consumer {self.label!r} (pid {self.pid})"
+
+
+@dataclass(frozen=True)
+class Config:
+    """The producer's settings, fixed at construction; read by both threads without the lock."""
+
+    endpoint: str
+    slots: int
+    replay: int
+    stragglers: str
+    max_lag: int | None
+    batches_per_epoch: int | None
+    samples_per_epoch: int | None
+
+
+class Shared:
+    """The record both threads share (see the module docstring for who writes what)."""
+
+    def __init__(self, config: Config, flow: Flow, store: Store) -> None:
+        self.config = config
+        self.flow = flow
+        self.store = store
+        self.peers: dict[Hashable, Peer] = {}
+        self.outbox: collections.deque[tuple[Hashable, bytes]] = collections.deque()
+        self.changed = threading.Condition()
+        self.wakeup = Wakeup()
+        self.stop = threading.Event()
+        self.first_join: float | None = None
+        self.replay_places = 0  # sized at the first batch, from its bytes
+        # loader_wait: in next(loader); slot_wait: for the slowest consumer to free a place;
+        # publish_time: writing and announcing (slot_wait included)
+        self.stats: dict[str, Any] = {
+            "published": 0,
+            "loader_wait": 0.0,
+            "slot_wait": 0.0,
+            "publish_time": 0.0,
+            "bad_messages": 0,
+        }
+        self.born = time.monotonic()
+
+    def send_all(self, actions: list[Action]) -> None:
+        """Queue what the flow decided (lock held)."""
+        for action in actions:
+            if isinstance(action, Deliver):
+                self.outbox.append((action.consumer, action.entry.payload))
+            else:
+                assert isinstance(action, Skipped)
+                self.outbox.append((action.consumer, protocol.encode(Kind.SKIPPED, count=action.count)))
+
+    def broadcast(self, frame: bytes) -> None:
+        """Queue ``frame`` for every joined consumer (lock held)."""
+        self.outbox.extend((cid, frame) for cid in self.peers)
+
+    def status(self) -> ProducerStatus:
+        """A snapshot of consumers, places and timings (lock held)."""
+        now = time.monotonic()
+        config, flow = self.config, self.flow
+        consumers: list[ConsumerStatus] = []
+        for cid, peer in self.peers.items():
+            state = flow.consumers[cid]
+            consumers.append(
+                {
+                    "label": peer.label,
+                    "pid": peer.pid,
+                    "device": peer.device,
+                    "batch_size": peer.batch_size,
+                    "late_join": state.policy.value,
+                    "joined_s_ago": round(now - peer.joined, 3),
+                    "cursor": state.cursor,
+                    "lag": flow.lag(cid),
+                    "catching_up": state.catching_up,
+                    "held": len(state.held),
+                    "received": state.received,
+                    "skipped": state.skipped,
+                    **rates(peer.stats, now),
+                }
+            )
+        stats = {k: round(v, 6) if isinstance(v, float) else v for k, v in self.stats.items()}
+        return {
+            "endpoint": config.endpoint,
+            "pid": os.getpid(),
+            "uptime_s": round(max(now - self.born, 1e-9), 3),
+            "slots": config.slots,
+            "places": flow.place_count,
+            "replay_places": self.replay_places,
+            "replay_budget_bytes": config.replay,
+            "resident_batches": flow.resident(),
+            "slot_bytes": self.store.bytes,
+            "transport": self.store.kind,
+            "device": self.store.device,
+            "stragglers": config.stragglers,
+            "max_lag": config.max_lag,
+            "epoch": flow.epoch,
+            "next_seq": flow.next_seq,
+            "ended": flow.ended,
+            "batches_per_epoch": config.batches_per_epoch,
+            "samples_per_epoch": config.samples_per_epoch,
+            "consumers": consumers,
+            **stats,  # type: ignore[typeddict-item]
+        }

@@ -1,0 +1,188 @@
+"""tensorsocket.status: a consumer's rates and the bottleneck analysis on crafted records, and
+the typed records against what a real producer reports (a renamed key fails here)."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import pytest
+import torch
+
+from tensorsocket import Consumer, Producer
+from tensorsocket.cli.query import query_status
+from tensorsocket.status import (
+    RATE_WINDOW,
+    ConsumerRates,
+    ConsumerStatus,
+    ProducerStatus,
+    behind,
+    bottleneck,
+    check,
+    rates,
+    same_producer,
+    slowest,
+    time_shares,
+)
+from tests.support import unique_name
+
+
+def consumer(label: str, **fields: Any) -> ConsumerStatus:
+    base: dict[str, Any] = {
+        "label": label, "pid": 7, "device": "cpu", "batch_size": None, "late_join": "replay",
+        "joined_s_ago": 75.0, "cursor": 17, "lag": 0, "catching_up": False, "held": 1,
+        "received": 16, "skipped": 0, "batches": 16, "samples": 512, "waiting_s": 1.0,
+        "samples_per_s": 250.0, "batches_per_s": 7.8, "waiting_share": 0.5,
+    }  # fmt: skip
+    return {**base, **fields}  # type: ignore[typeddict-item]
+
+
+def producer(**fields: Any) -> ProducerStatus:
+    base: dict[str, Any] = {
+        "endpoint": "ipc:///x.sock", "pid": 42, "uptime_s": 10.0, "slots": 4, "places": 12,
+        "replay_places": 8, "replay_budget_bytes": 1 << 30, "resident_batches": 12,
+        "slot_bytes": 12 << 20, "transport": "shm", "device": "cpu", "stragglers": "stall",
+        "max_lag": None, "epoch": 1, "next_seq": 20, "ended": False, "batches_per_epoch": 16,
+        "samples_per_epoch": 512, "published": 18, "loader_wait": 6.0, "slot_wait": 1.0,
+        "publish_time": 1.5, "bad_messages": 0,
+        "consumers": [consumer("a", lag=1, held=2), consumer("b", held=0)],
+    }  # fmt: skip
+    return {**base, **fields}  # type: ignore[typeddict-item]
+
+
+def keys(record: type) -> set[str]:
+    return set(record.__annotations__)
+
+
+# ---------------------------------------------------------------------------- rates
+
+
+def test_rates_before_any_report_are_none() -> None:
+    assert rates(deque(), now=100.0) == {
+        "batches": 0, "samples": 0, "waiting_s": 0.0,
+        "samples_per_s": None, "batches_per_s": None, "waiting_share": None,
+    }  # fmt: skip
+
+
+def test_rates_need_reports_spanning_more_than_a_fifth_of_a_second() -> None:
+    one = rates([(10.0, 4, 128, 0.5)], now=10.0)
+    assert (one["batches"], one["samples"], one["waiting_s"]) == (4, 128, 0.5)
+    assert one["samples_per_s"] is None and one["batches_per_s"] is None and one["waiting_share"] is None
+    close = rates([(10.0, 4, 128, 0.5), (10.1, 5, 160, 0.5)], now=10.1)
+    assert close["samples_per_s"] is None and close["batches"] == 5
+
+
+def test_rates_over_the_recent_window() -> None:
+    stats = [(0.0, 0, 0, 0.0), (10.0, 100, 3200, 2.0), (12.0, 120, 3840, 2.5), (14.0, 140, 4480, 3.0)]
+    r = rates(deque(stats), now=14.0)
+    # The report at t=0 is older than the window: rates run from t=10 to t=14.
+    assert 14.0 - 0.0 > RATE_WINDOW >= 14.0 - 10.0
+    assert r == {
+        "batches": 140, "samples": 4480, "waiting_s": 3.0,
+        "samples_per_s": 320.0, "batches_per_s": 10.0, "waiting_share": 0.25,
+    }  # fmt: skip
+    assert set(r) == keys(ConsumerRates)
+    # Reports gone stale: rates from the last one alone, i.e. none.
+    assert rates(stats, now=100.0)["samples_per_s"] is None
+    # A waiting share never exceeds 1 (reports' clocks differ slightly).
+    assert rates([(0.0, 0, 0, 0.0), (1.0, 1, 1, 1.5)], now=1.0)["waiting_share"] == 1.0
+
+
+# ---------------------------------------------------------------------------- analysis
+
+
+def test_time_shares_since_start_and_since_the_previous_snapshot() -> None:
+    assert time_shares(producer()) == pytest.approx(
+        {"span": 10.0, "loader": 0.6, "slot": 0.1, "write": 0.05, "idle": 0.25}
+    )
+    later = producer(uptime_s=12.0, published=28, loader_wait=6.2, slot_wait=2.6, publish_time=3.2)
+    assert time_shares(later, producer()) == pytest.approx(
+        {"span": 2.0, "loader": 0.1, "slot": 0.8, "write": 0.05, "idle": 0.05}
+    )
+    restarted = producer(pid=43, uptime_s=1.0, loader_wait=0.5, slot_wait=0.0, publish_time=0.0)
+    assert time_shares(restarted, producer())["span"] == 1.0  # another producer: since its start
+    assert time_shares(producer(uptime_s=0.0))["span"] == 0.0
+
+
+def test_same_producer() -> None:
+    first = producer()
+    assert same_producer(producer(uptime_s=11.0, published=19), first)
+    assert not same_producer(producer(uptime_s=11.0), None)
+    assert not same_producer(producer(uptime_s=11.0, pid=43), first)
+    assert not same_producer(producer(uptime_s=9.0), first)  # time went backwards: not the same run
+    assert not same_producer(producer(uptime_s=11.0, published=3), first)
+
+
+def test_slowest_is_furthest_behind_then_busiest_then_slowest_rate() -> None:
+    assert behind(consumer("x", lag=3, held=2)) == 5
+    assert slowest(producer(consumers=[])) is None
+    far = [consumer("near", lag=0, held=1), consumer("far", lag=2, held=1)]
+    assert slowest(producer(consumers=far))["label"] == "far"  # type: ignore[index]
+    tied = [consumer("idle", waiting_share=0.9), consumer("busy", waiting_share=0.1)]
+    assert slowest(producer(consumers=tied))["label"] == "busy"  # type: ignore[index]
+    rated = [consumer("fast", samples_per_s=500.0), consumer("slow", samples_per_s=100.0)]
+    assert slowest(producer(consumers=rated))["label"] == "slow"  # type: ignore[index]
+    # One that has not reported yet (no share, no rate) is not blamed on a tie.
+    fresh = [consumer("new", samples_per_s=None, batches_per_s=None, waiting_share=None), consumer("old")]
+    assert slowest(producer(consumers=fresh))["label"] == "old"  # type: ignore[index]
+
+
+def test_bottleneck() -> None:
+    assert bottleneck(producer()) == "the loader"
+    assert (
+        bottleneck(producer(loader_wait=0.5, slot_wait=8.0, publish_time=8.5)) == "the slowest consumer (a)"
+    )
+    assert bottleneck(producer(loader_wait=0.1, slot_wait=0.1, publish_time=5.0)) == (
+        "the producer itself (writing batches into shared memory)"
+    )
+    assert bottleneck(producer(ended=True)) == "none: the stream has ended"
+    assert bottleneck(producer(published=0)).startswith("none yet: nothing published")
+    assert bottleneck(producer(consumers=[])).startswith("none: no consumer is connected")
+    # Nothing published since the previous look: a wait in progress.
+    stuck = producer(uptime_s=13.0)
+    assert bottleneck(stuck, producer()) == "the loader: no batch published for 3.0 s"
+    full = producer(uptime_s=13.0, consumers=[consumer("a", lag=1, held=3), consumer("b")])
+    assert (
+        bottleneck(full, producer())
+        == "the slowest consumer (a): no batch published for 3.0 s, the window is full"
+    )
+    replaying = producer(uptime_s=13.0, consumers=[consumer("j", catching_up=True, held=2)])
+    assert bottleneck(replaying, producer()).endswith("the window is full")
+    # The previous snapshot of another producer is ignored: shares since start.
+    assert bottleneck(producer(pid=43, uptime_s=13.0), producer()) == "the loader"
+
+
+def test_check_names_missing_keys() -> None:
+    assert check(producer()) == producer()
+    partial: dict[str, Any] = dict(producer())
+    del partial["slot_wait"]
+    partial["consumers"] = [{k: v for k, v in consumer("a").items() if k != "lag"}]
+    with pytest.raises(ValueError, match=r"lacks consumers\[\]\.lag, slot_wait"):
+        check(partial)
+    with pytest.raises(ValueError, match="no list of consumers"):
+        check({"pid": 1})
+
+
+# ---------------------------------------------------------------------------- the real thing
+
+
+def test_records_declare_exactly_the_keys_a_producer_reports() -> None:
+    name = unique_name("status")
+    batches = [torch.full((4, 2), float(i)) for i in range(3)]
+    with Producer(batches, name=name, slots=2, replay=0, linger=5.0) as p:
+        alone = p.status()
+        assert set(alone) == keys(ProducerStatus) and alone["consumers"] == []
+        c = Consumer(name=name, timeout=10.0, label="keys")
+        try:
+            status = p.status()
+            assert set(status) == keys(ProducerStatus)
+            (record,) = status["consumers"]
+            assert record["label"] == "keys"
+            assert set(record) == keys(ConsumerStatus)
+            assert keys(ConsumerRates) <= keys(ConsumerStatus)
+            # The same dict over the socket, as `tensorsocket status` reads it.
+            remote = query_status(p.endpoint, timeout=5.0)
+            assert set(remote) == keys(ProducerStatus)
+            assert set(remote["consumers"][0]) == keys(ConsumerStatus)
+        finally:
+            c.close()
