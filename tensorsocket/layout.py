@@ -174,11 +174,16 @@ def fingerprint(region: torch.Tensor | np.ndarray) -> int:
     n = region.shape[0]
     stride = max(1, n // _FINGERPRINT_SAMPLES) | 1
     sampled = region[::stride]
-    if isinstance(sampled, np.ndarray):
-        total = int((sampled.astype(np.int64) * _weights(sampled.shape[0], None).numpy()).sum())
+    if isinstance(sampled, np.ndarray):  # the host path: NumPy's dot is ~5x quicker than torch here
+        total = int(np.dot(sampled.astype(np.int64), _host_weights(sampled.shape[0])))
     else:
         total = int((sampled.to(torch.int64) * _weights(sampled.shape[0], sampled.device)).sum())
     return total ^ (n % (1 << 32)) << 32
+
+
+@functools.lru_cache(maxsize=64)
+def _host_weights(count: int) -> np.ndarray:
+    return _weights(count, None).numpy()
 
 
 @functools.lru_cache(maxsize=64)
