@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .. import endpoint as endpoints
-from ..errors import Closed
+from ..errors import Closed, ProducerLost
 from ..flow import LateJoin
 from ..rebatch import Rebatcher, batches_per_epoch
 from ..transport import Reader, parse_device
@@ -27,6 +27,7 @@ from .shared import Settings, Shared
 log = logging.getLogger("tensorsocket")
 
 _UNLIMITED_PREFETCH = 1 << 16
+_READER_SETUP_S = 120.0  # beyond the handshake's timeout: a first CUDA context can take a while
 
 
 class Consumer:
@@ -110,7 +111,11 @@ class Consumer:
             target=io_loop.run, args=(shared, settings, outcome), name="tensorsocket-consumer-io", daemon=True
         )
         self._io.start()
-        joined = outcome.get()  # the handshake is bounded by timeout; the thread always answers
+        try:  # the handshake is bounded by timeout; opening a GPU reader may take a CUDA init more
+            joined = outcome.get(timeout=self.timeout + _READER_SETUP_S)
+        except queue.Empty:
+            shared.stop.set()
+            joined = ProducerLost(f"joining {self.endpoint} took over {self.timeout + _READER_SETUP_S:g} s")
         if isinstance(joined, BaseException):
             self._io.join(timeout=5.0)
             shared.wakeup.close()
