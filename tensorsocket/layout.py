@@ -171,6 +171,8 @@ def fingerprint(region: torch.Tensor | np.ndarray) -> int:
     can miss a write to a few elements. The stride is odd so samples cover every byte lane;
     the weights differ per sample so moved bytes count too.
     """
+    if isinstance(region, torch.Tensor) and region.device.type == "cpu":
+        region = region.numpy()  # host memory takes the NumPy path, whoever holds it
     n = region.shape[0]
     stride = max(1, n // _FINGERPRINT_SAMPLES) | 1
     sampled = region[::stride]

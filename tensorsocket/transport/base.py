@@ -154,6 +154,12 @@ class Reader(abc.ABC):
         self.close()
 
 
+def grown_size(current: int | None, nbytes: int) -> int:
+    """The size of a new arena for ``nbytes``: with 25% headroom over the one it replaces, so
+    shapes that creep upwards do not reallocate every batch."""
+    return max(nbytes, int(current * 1.25) if current else 0, 1)
+
+
 def descriptor_kind(descriptor: Any) -> str:
     """The transport tag of a descriptor received on the wire (ProtocolError if none)."""
     if not (isinstance(descriptor, list) and len(descriptor) >= 2 and isinstance(descriptor[0], str)):

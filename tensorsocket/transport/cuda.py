@@ -44,7 +44,7 @@ from .. import layout
 from ..errors import ProtocolError
 from ..host import boot_id
 from . import device as devices
-from .base import Lease, Reader, Receipt, Store, check_descriptor
+from .base import Lease, Reader, Receipt, Store, check_descriptor, grown_size
 from .gpu_topology import GpuPathError
 
 log = logging.getLogger("tensorsocket")
@@ -108,8 +108,7 @@ class CudaStore(Store):
         current = self._arenas.get(place)
         if current is not None and current.size >= nbytes:
             return None
-        size = max(nbytes, int(current.size * 1.25) if current else 0, 1)
-        return place, self._dev.alloc(size, self.ordinal)
+        return place, self._dev.alloc(grown_size(current.size if current else None, nbytes), self.ordinal)
 
     def install(self, prepared: tuple[int, Any]) -> list[Any]:
         place, allocation = prepared

@@ -29,7 +29,7 @@ import torch
 from .. import layout
 from ..errors import ProtocolError
 from ..host import boot_id, pid_alive
-from .base import Lease, Reader, Receipt, Store, check_descriptor
+from .base import Lease, Reader, Receipt, Store, check_descriptor, grown_size
 
 log = logging.getLogger("tensorsocket")
 
@@ -180,8 +180,7 @@ class ShmStore(Store):
         current = self._arenas.get(place)
         if current is not None and current.info.size >= nbytes:
             return None
-        # Grow with headroom so shapes that creep upwards do not reallocate every batch.
-        size = max(nbytes, int(current.info.size * 1.25) if current else 0, 1)
+        size = grown_size(current.info.size if current else None, nbytes)
         size = (size + _PAGE - 1) // _PAGE * _PAGE
         self._generation += 1
         name = f"{PREFIX}{os.getuid()}-{os.getpid()}-{self._token}-{place}-{self._generation}"
