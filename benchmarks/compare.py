@@ -2,8 +2,11 @@
 
 One invocation runs every system at every N (default 1, 2, 4, 8) on the same machine, the
 same dataset and the same pipeline (``producer.imagefolder``: Pillow JPEG decode, random
-resized crop, flip, normalise; batch 32, 224x224; ``--workers`` loader processes per
-DataLoader), one run after the other:
+resized crop, flip, normalise; batch 32, 224x224), one run after the other. Each independent
+trainer's DataLoader has ``--workers`` loader processes; the one shared loader, that of a
+shared system's producer and of the loader-alone reference, has ``--producer-workers`` (by
+default ``--cpus`` when given, else ``--workers``: one loader may use every core that N
+independent ones share):
 
 * ``independent``: N trainers, each with its own DataLoader (the status quo);
 * ``tensorsocket``: this repository; one producer runs the DataLoader, N consumers (host
@@ -18,9 +21,13 @@ DataLoader), one run after the other:
 
 Each trainer simulates a training step of ``--step-ms`` (a sleep: the CPU stays free for
 loading; on a GPU machine each batch is also copied to the GPU first), or with ``--model``
-trains a torchvision model (e.g. ``resnet18``) on each batch, on the GPU when there is one. For every run it
-records per-trainer samples/s (from each trainer's first batch to its last), the CPU seconds
-of every process of the run (loader workers included: this process is their subreaper),
+trains a torchvision model (e.g. ``resnet18``) on each batch, on the GPU when there is one. Two
+reference runs bound what the systems can get: ``loader-alone`` (once: one shared loader
+drained with no training step) and, with ``--model``, ``model-alone`` at every N (N trainers
+training the model on one synthetic batch kept on the GPU, as many steps as the others, no
+loader: the summary's ``model_ceiling``, what the GPU, or the CPU without one, allows). For
+every run it records per-trainer samples/s (from each trainer's first batch to its last), the
+CPU seconds of every process of the run (loader workers included: this process is their subreaper),
 the peak memory of all of them together (RSS, and PSS, which counts shared pages once), the
 GPU memory in use when nvidia-ml-py is there, and whether every trainer got every batch of
 every epoch exactly once (shared systems: the same batches, in the same order, in every
@@ -66,6 +73,7 @@ GPU_SYSTEM = "tensorsocket-gpu"
 GPU_DEVICE = "cuda:0"
 FAKE_CUDA = "TENSORSOCKET_FAKE_CUDA"  # "1": tensorsocket's CPU stand-in for the CUDA primitives
 LOADER_ALONE = "loader-alone"  # one DataLoader drained with no training step: the pipeline's own rate
+MODEL_ALONE = "model-alone"  # N trainers on one synthetic batch, no loader: what training allows
 BATCH = 32
 _PR_SET_CHILD_SUBREAPER = 36
 
@@ -302,15 +310,19 @@ def run_once(
 ) -> dict[str, Any]:
     """Run one system with ``trainers`` trainers; return its figures."""
     rundir.mkdir(parents=True, exist_ok=True)
-    common = ["--data", cfg["data"], "--workers", str(cfg["workers"]), "--epochs", str(cfg["epochs"])]
+    workers = cfg["workers"] if system == "independent" else cfg["producer_workers"]  # one shared loader
+    common = ["--data", cfg["data"], "--workers", str(workers), "--epochs", str(cfg["epochs"])]
     step_ms = 0 if system == LOADER_ALONE else cfg["step_ms"]
     common += ["--step-ms", str(step_ms), "--trainers", str(trainers)]
     if cfg["model"] and system != LOADER_ALONE:
         common += ["--model", cfg["model"]]
     python: Path | str = sys.executable
+    extra: list[str] = []
     if system in ("independent", LOADER_ALONE):
         plan = [("loader-trainer", i) for i in range(trainers)]
-        extra: list[str] = []
+    elif system == MODEL_ALONE:
+        plan = [("synthetic-trainer", i) for i in range(trainers)]
+        extra = ["--images", str(cfg["images"])]
     elif system in ("tensorsocket", GPU_SYSTEM):
         plan = [("ts-producer", None)] + [("ts-trainer", i) for i in range(trainers)]
         extra = ["--name", f"compare-{uuid.uuid4().hex[:8]}"]
@@ -407,12 +419,12 @@ def _judge(
             exact = False
         if r.get("samples_per_epoch") != [cfg["images"]] * epochs:
             exact = False
-        for prints in r.get("fingerprints", []):
+        for prints in r.get("fingerprints", []) if system != MODEL_ALONE else []:  # one batch, again
             if len(set(prints)) != len(prints):
                 exact = False
                 problems.append(f"trainer {r['rank']} got a batch twice in one epoch")
                 break
-    if system != "independent" and trainer_reports:
+    if system not in ("independent", MODEL_ALONE) and trainer_reports:
         sequences = {json.dumps(r.get("fingerprints")) for r in trainer_reports}
         if len(sequences) > 1:
             exact = False
@@ -465,10 +477,13 @@ def run(
     log: Any = print,
     repeat: int = 1,
     progress: Any = None,
+    producer_workers: int | None = None,
 ) -> dict[str, Any]:
     """Run every system at every count, ``repeat`` times (round-robin); return every figure and
     the environment as a dict. ``progress``, if given, is called with the result so far (marked
-    ``"partial": true``) after every run, so a benchmark stopped from outside leaves what it did."""
+    ``"partial": true``) after every run, so a benchmark stopped from outside leaves what it did.
+    ``producer_workers``: the one shared loader's workers (default: ``cpus`` if given, else
+    ``workers``)."""
     from producer.imagefolder import make_dataset
 
     try:  # descendants whose parent was killed come to us, so their CPU time is counted
@@ -494,6 +509,7 @@ def run(
         "images": images,
         "epochs": epochs,
         "workers": workers,
+        "producer_workers": producer_workers if producer_workers is not None else cpus or workers,
         "step_ms": step_ms,
         "timeout": timeout,
         "upstream_producer_batch_size": upstream_producer_batch_size,
@@ -527,7 +543,8 @@ def run(
             "runs": runs,
         }
 
-    plan = [(LOADER_ALONE, 1)] + [(system, n) for n in counts for system in systems]
+    references = (MODEL_ALONE,) if model else ()  # the model's own rate at every N
+    plan = [(LOADER_ALONE, 1)] + [(system, n) for n in counts for system in references + systems]
     for rep in range(repeat):
         for system, n in plan:
             if system == UPSTREAM and upstream is None:
@@ -537,6 +554,7 @@ def run(
                 runs.append(_not_run(system, n, gpu_missing) | _rep(rep, repeat))
                 continue
             what = f"{n} trainer(s)" if system != LOADER_ALONE else "the pipeline's own rate"
+            what += ", the model alone on one synthetic batch" if system == MODEL_ALONE else ""
             log(f"{system}: {what}{f' (run {rep + 1} of {repeat})' if repeat > 1 else ''} ...")
             folder = f"{system}-{n}" + (f"-run{rep + 1}" if repeat > 1 else "")
             result = run_once(system, n, cfg, upstream, ROOT / "data" / "compare-runs" / stamp / folder)
@@ -646,6 +664,10 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 row[f"{system}_ok"] = _group_verdict(group)
                 if len(group) > 1:
                     row[f"{system}_runs"] = [r.get("per_trainer_samples_per_s") for r in group]
+        model = by.get((MODEL_ALONE, n))
+        if model:  # what N trainers get with no loader at all: the GPU's bound at this N
+            row["model_ceiling"] = _median([r.get("per_trainer_samples_per_s") for r in model])
+            row["model_ceiling_ok"] = _group_verdict(model)
         ours, independent, gpu = row.get("tensorsocket"), row.get("independent"), row.get(GPU_SYSTEM)
         if ours and independent:
             row["vs_independent"] = round(ours / independent, 2)
@@ -666,11 +688,14 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def table(result: dict[str, Any]) -> str:
     """The summary as a Markdown table (what the README shows). The GPU path's columns appear
-    when it was asked for."""
+    when it was asked for, the model alone's when there was one (``--model``)."""
     gpu = any(GPU_SYSTEM in row for row in result["summary"])
+    model = any("model_ceiling" in row for row in result["summary"])
     head = "| trainers | independent DataLoaders | tensorsocket |"
     head += " tensorsocket, GPU path |" if gpu else ""
-    head += " PyPI tensorsocket 0.0.5 | vs independent | vs 0.0.5 | gap to the loader alone |"
+    head += " PyPI tensorsocket 0.0.5 |"
+    head += " the model alone, no loader (the bound) |" if model else ""
+    head += " vs independent | vs 0.0.5 | gap to the loader alone |"
     head += " GPU path vs independent | GPU path vs host path |" if gpu else ""
     lines = [head, "| ---: |" + " ---: |" * (head.count("|") - 2)]
     repeat = result.get("config", {}).get("repeat", 1)
@@ -693,7 +718,8 @@ def table(result: dict[str, Any]) -> str:
         gap = f"{row['gap_to_loader_pct']:.1f}%" if "gap_to_loader_pct" in row else ""
         cells = [str(row["trainers"]), cell(row, "independent"), cell(row, "tensorsocket")]
         cells += [cell(row, GPU_SYSTEM)] if gpu else []
-        cells += [cell(row, UPSTREAM), ratio(row, "vs_independent"), versus, gap]
+        cells += [cell(row, UPSTREAM)] + ([cell(row, "model_ceiling")] if model else [])
+        cells += [ratio(row, "vs_independent"), versus, gap]
         cells += [ratio(row, "gpu_vs_independent"), ratio(row, "gpu_vs_host_path")] if gpu else []
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -756,6 +782,10 @@ def plot(result: dict[str, Any], path: Path) -> Path | None:
         ax.axhline(
             alone, linestyle="--", color="grey", linewidth=1, label="the loader alone, no training step"
         )
+    model = [(row["trainers"], row["model_ceiling"]) for row in result["summary"] if row.get("model_ceiling")]
+    if model:
+        ax.plot([p[0] for p in model], [p[1] for p in model], "x:", color="black", linewidth=1,
+                label="the model alone, no loader")  # fmt: skip
     ax.set_xscale("log", base=2)
     ax.set_xticks(counts, [str(c) for c in counts])
     ax.set_xlabel("trainers (N)")
@@ -790,11 +820,21 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--step-ms", type=float, default=10.0, help="simulated training step per batch")
     parser.add_argument(
-        "--model", help="train this torchvision model (e.g. resnet18; needs torchvision) instead of --step-ms"
+        "--model",
+        help="train this torchvision model (e.g. resnet18; needs torchvision) instead of --step-ms; "
+        "adds the model-alone reference run at every N",
     )
     parser.add_argument("--images", type=int, default=1024, help="images per epoch (32 batches of 32)")
     parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--workers", type=int, default=2, help="worker processes per DataLoader")
+    parser.add_argument(
+        "--workers", type=int, default=2, help="worker processes of each independent trainer's DataLoader"
+    )
+    parser.add_argument(
+        "--producer-workers",
+        type=int,
+        help="worker processes of the one shared loader: the producers' (tensorsocket, tensorsocket-gpu, "
+        "0.0.5) and the loader-alone reference's (default: --cpus when given, else --workers)",
+    )
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds before a run counts as stalled")
     parser.add_argument(
         "--repeat",
@@ -846,6 +886,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--repeat must be a positive integer, got {args.repeat}")
     if args.cpus is not None and not 1 <= args.cpus <= len(os.sched_getaffinity(0)):
         parser.error(f"--cpus must be between 1 and {len(os.sched_getaffinity(0))}, got {args.cpus}")
+    for option, value in (("--workers", args.workers), ("--producer-workers", args.producer_workers)):
+        if value is not None and value < 0:
+            parser.error(f"{option} must be 0 or more, got {value}")
 
     def progress(partial: dict[str, Any]) -> None:  # the JSON so far, in case we are stopped
         args.out.mkdir(parents=True, exist_ok=True)
@@ -854,7 +897,7 @@ def main(argv: list[str] | None = None) -> None:
     result = run(
         counts, systems, args.step_ms, args.images, args.epochs, args.workers, args.timeout, args.cpus,
         args.upstream_venv, args.upstream_wheels, args.upstream_producer_batch_size, args.model,
-        repeat=args.repeat, progress=None if args.no_write else progress,
+        repeat=args.repeat, progress=None if args.no_write else progress, producer_workers=args.producer_workers,
     )  # fmt: skip
     print()
     print(table(result))

@@ -13,7 +13,9 @@ shared system saw the same batches, each once), copy them to the GPU when there 
 no-op for the GPU path's batches, which are there already), and simulate a training step of
 ``--step-ms``. It writes its report as JSON to ``--report``
 every half second and at the end, so a trainer that stalls and is killed still says what it
-got.
+got. The ``synthetic-trainer`` role runs the same loop with no loader at all: one synthetic
+batch, made once on the model's device and taken again at every step (the ``model-alone``
+reference: what training alone allows).
 """
 
 from __future__ import annotations
@@ -157,8 +159,33 @@ def _loader(args: argparse.Namespace, seed: int) -> Any:
 def role_loader_trainer(args: argparse.Namespace) -> None:
     """A trainer with its own DataLoader: the status quo."""
     loader = _loader(args, seed=args.rank)
-    report = Report(args.report, system="independent", rank=args.rank)
+    report = Report(args.report, system="independent", rank=args.rank, workers=args.workers)
     train(loader, args.epochs, args.step_ms / 1000, report, args.model)
+
+
+class SyntheticBatches:
+    """``images`` samples an epoch in batches of 32 (the last one shorter, as the loader's),
+    every one a view of the same random batch, made once on the GPU (the CPU without one)."""
+
+    def __init__(self, images: int, seed: int) -> None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        g = torch.Generator().manual_seed(seed)
+        self.images = torch.randn(BATCH_SIZE, 3, 224, 224, generator=g).to(device)
+        self.labels = torch.randint(0, 1000, (BATCH_SIZE,), generator=g).to(device)
+        self.count = images
+
+    def __iter__(self) -> Any:
+        for start in range(0, self.count, BATCH_SIZE):
+            size = min(BATCH_SIZE, self.count - start)
+            yield self.images[:size], self.labels[:size]
+
+
+def role_synthetic_trainer(args: argparse.Namespace) -> None:
+    """A trainer with no loader: the model on one synthetic batch, as many steps as an epoch."""
+    report = Report(args.report, system="model-alone", rank=args.rank)
+    train(SyntheticBatches(args.images, seed=args.rank), args.epochs, args.step_ms / 1000, report, args.model)
 
 
 def _ts_system(device: str) -> str:
@@ -172,7 +199,7 @@ def role_ts_producer(args: argparse.Namespace) -> None:
     loader = _loader(args, seed=0)
     report = Report(
         args.report, system=_ts_system(args.device), version=tensorsocket.__version__, producer=True,
-        device=args.device,
+        device=args.device, workers=args.workers,
     )  # fmt: skip
     producer = tensorsocket.Producer(
         loader, name=args.name, device=args.device, slots=8, min_consumers=args.trainers, replay=0
@@ -228,7 +255,8 @@ def role_up_producer(args: argparse.Namespace) -> None:
     """
     upstream = _upstream()
     loader = _loader(args, seed=0)
-    report = Report(args.report, system="tensorsocket-0.0.5", version=upstream.__version__, producer=True)
+    report = Report(args.report, system="tensorsocket-0.0.5", version=upstream.__version__, producer=True,
+                    workers=args.workers)  # fmt: skip
     producer = upstream.TensorProducer(
         loader, **_ports(args.port), producer_batch_size=args.producer_batch_size
     )
@@ -258,6 +286,7 @@ def role_up_trainer(args: argparse.Namespace) -> None:
 
 ROLES = {
     "loader-trainer": role_loader_trainer,
+    "synthetic-trainer": role_synthetic_trainer,
     "ts-producer": role_ts_producer,
     "ts-trainer": role_ts_trainer,
     "up-producer": role_up_producer,
@@ -275,6 +304,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--step-ms", type=float, default=10.0)
     parser.add_argument("--model", help="train this torchvision model instead of sleeping --step-ms")
     parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--images", type=int, default=1024, help="synthetic-trainer: samples per epoch")
     parser.add_argument("--trainers", type=int, default=1)
     parser.add_argument("--name", help="tensorsocket producer name")
     parser.add_argument(

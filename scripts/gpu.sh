@@ -9,7 +9,10 @@
 #                 TENSORSOCKET_GPU_REAL=1 (the real backend, not the stand-in)
 #   gpu-path      python3 -m benchmarks.gpu_path: next() latency, publish      ~75 s (limit 150 s)
 #                 latency vs a pinned host-to-device copy, producer CPU, GPU
-#                 memory per consumer (JSON into $OUT)
+#                 memory per consumer (JSON into $OUT); the loader's batches in
+#                 pageable memory
+#   gpu-path-pinned  the same with the loader's batches pinned (what a           ~75 s (limit 150 s)
+#                 DataLoader with pin_memory=True yields)
 #   cuda-ipc      python3 -m benchmarks.cuda_ipc (JSON into $OUT)               ~15 s (limit 60 s)
 #   compare       python3 -m benchmarks.compare: 4 trainers training ResNet-18 ~200 s (the rest of the
 #                 on 4 CPU cores, 1024 images, 1 epoch, 3 runs each of          budget; 45 s per run at
@@ -17,7 +20,9 @@
 #                 (+ the loader alone); JSON and plot into $OUT
 #
 # The whole script keeps to $GPU_SH_BUDGET seconds (default 540: the device tool allows 600 per
-# command); a step's limit is cut to what is left. $OUT (default ./gpu-results) gets at most 7
+# command); a step's limit is cut to what is left. $GPU_SH_STEPS (default: all of them) names
+# the steps to run, space-separated, e.g. "gpu-tests cuda-tests gpu-path" in one call and
+# "compare" in the next when one call cannot hold them all. $OUT (default ./gpu-results) gets at most 7
 # files: logs.tar.gz (every step's log, the JUnit XML of both test runs, nvidia-smi's answer),
 # steps.txt (each step's exit status and seconds), gpu_path-*.json, cuda_ipc-*.json, and the
 # compare benchmark's <gpu>-<date>.json and .png.
@@ -43,6 +48,10 @@ failed=()
 step() { # step NAME LIMIT_S COMMAND...: run it under a time limit, log into $LOGS/NAME.log
     local name=$1 limit=$2
     shift 2
+    if [[ -n "${GPU_SH_STEPS:-}" && $name != install && $name != gpu && " $GPU_SH_STEPS " != *" $name "* ]]; then
+        echo "== $name: not run, not in GPU_SH_STEPS" | tee -a "$LOGS/steps.txt"
+        return
+    fi
     local left=$((BUDGET - SECONDS))
     ((limit > left)) && limit=$left
     if ((limit < 15)); then
@@ -81,6 +90,7 @@ else
 fi
 
 step gpu-path 150 python3 -m benchmarks.gpu_path --out "$OUT"
+step gpu-path-pinned 150 python3 -m benchmarks.gpu_path --pinned --out "$OUT"
 
 step cuda-ipc 60 python3 -m benchmarks.cuda_ipc
 find benchmarks/results -name 'cuda_ipc-*.json' -newer "$MARK" -exec cp {} "$OUT/" \;

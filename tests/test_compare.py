@@ -56,6 +56,58 @@ def test_bad_trainer_counts_are_refused_before_anything_runs() -> None:
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == 2 and "unknown coordl" in done.stderr
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.compare", "--producer-workers", "-1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2 and "--producer-workers must be 0 or more" in done.stderr
+
+
+TINY_TORCHVISION = """
+import torch
+
+class models:
+    @staticmethod
+    def resnet18(num_classes):
+        return torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(4), torch.nn.Flatten(), torch.nn.Linear(48, num_classes))
+"""
+
+
+def test_model_alone_reference_and_the_shared_loaders_workers(tmp_path: Path) -> None:
+    """``--model``: a model-alone run at every N (no loader, one synthetic batch) gives each
+    summary row its ``model_ceiling``; the one shared loader (producer, loader alone) gets
+    ``--cpus`` workers by default, independent trainers ``--workers``. torchvision is not
+    installable here, so a stand-in provides a small model under its name."""
+    (tmp_path / "stand-in" / "torchvision").mkdir(parents=True)
+    (tmp_path / "stand-in" / "torchvision" / "__init__.py").write_text(TINY_TORCHVISION)
+    paths = [str(tmp_path / "stand-in"), os.environ.get("PYTHONPATH", "")]
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.compare", "--systems", "independent,tensorsocket", "--trainers", "2",
+         "--images", "48", "--epochs", "1", "--model", "resnet18", "--cpus", "1", "--workers", "2",
+         "--timeout", "90", "--out", str(tmp_path), "--tag", "test"],
+        cwd=ROOT, capture_output=True, text=True, timeout=240, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    [path] = tmp_path.glob("test-*.json")
+    result = json.loads(path.read_text())
+    assert [(r["system"], r["trainers"]) for r in result["runs"]] == [
+        ("loader-alone", 1), ("model-alone", 2), ("independent", 2), ("tensorsocket", 2)
+    ]  # fmt: skip
+    for run in result["runs"]:
+        assert run["exact"], run["problems"]
+        assert run["delivered_samples_per_trainer"] == [48] * run["trainers"]  # 32 + 16: as the loader's
+    alone, model, independent, shared = result["runs"]
+    assert [p["role"] for p in model["processes"]] == ["synthetic-trainer"] * 2
+    assert [p["workers"] for p in alone["processes"]] == [1]
+    assert [p["workers"] for p in independent["processes"]] == [2, 2]
+    assert [p.get("workers") for p in shared["processes"]] == [1, None, None]  # ts-producer, 2 trainers
+    assert result["config"]["producer_workers"] == 1 and result["config"]["workers"] == 2
+    [row] = result["summary"]
+    assert (
+        row["model_ceiling"] == model["per_trainer_samples_per_s"] > 0 and row["model_ceiling_ok"] == "exact"
+    )
+    assert "| the model alone, no loader (the bound) |" in done.stdout
 
 
 CFG = {"images": 64, "epochs": 1, "timeout": 30.0, "memory_cap_kib": None}
@@ -109,6 +161,12 @@ def test_summary_ratios_and_table() -> None:
     assert row["vs_independent"] == 3.8 and row["vs_0.0.5"] == 20.0 and row["gap_to_loader_pct"] == 5.0
     text = table({"summary": [row]})
     assert "| 4 | 200 | 760 | 38 (not exact, 10/20 samples) | 3.80x | 20.00x | 5.0% |" in text
+
+    [row] = summarise([*runs, run("model-alone", 4, 300.0), run("model-alone", 4, 320.0),
+                       run("model-alone", 4, 280.0)])  # fmt: skip
+    assert row["model_ceiling"] == 300.0 and row["model_ceiling_ok"] == "exact"
+    text = table({"summary": [row]})
+    assert "| 4 | 200 | 760 | 38 (not exact, 10/20 samples) | 300 | 3.80x | 20.00x | 5.0% |" in text
 
 
 def test_a_trainer_can_train_a_model_on_each_batch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,9 +15,11 @@ import time
 import weakref
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
+from tensorsocket import layout
 from tensorsocket.transport import device
 from tensorsocket.transport.device import DeviceAllocation, DeviceBackend, DeviceMapping
 from tensorsocket.transport.fake_cuda import FakeBackend, fake_uuid, visible_physical
@@ -189,12 +191,11 @@ def test_a_copy_lands_only_when_its_event_fires(fake, monkeypatch):
     monkeypatch.setenv("TENSORSOCKET_FAKE_CUDA_DELAY", "0.3")
     stream = fake.new_stream(0)
     a = fake.alloc(MiB, 0)
-    src = fake.pinned(4096)
-    src.fill_(5)
+    src = torch.full((4096,), 5, dtype=torch.uint8)
     event = fake.event()
     assert event.query()  # never recorded: fired, as on CUDA
     start = time.monotonic()
-    fake.copy(a.tensor[:4096], src, stream)
+    fake.copy(a.tensor, [(0, src)], stream)
     event.record(stream)
     assert not event.query()
     assert int(a.tensor[:4096].sum()) == 0  # read before the event: old bytes
@@ -202,7 +203,9 @@ def test_a_copy_lands_only_when_its_event_fires(fake, monkeypatch):
     assert time.monotonic() - start >= 0.25 and event.query()
     assert int(a.tensor[:4096].sum()) == 5 * 4096
     with pytest.raises(RuntimeError, match="cannot copy"):
-        fake.copy(a.tensor[:8], src, stream)
+        fake.copy(a.tensor[:8], [(0, src)], stream)
+    with pytest.raises(RuntimeError, match="cannot copy"):
+        fake.copy(a.tensor, [(a.size - 8, src[:16])], stream)
     a.free()
 
 
@@ -212,7 +215,7 @@ def test_a_stream_runs_its_work_in_order(fake, monkeypatch):
     dst = torch.zeros(8, dtype=torch.uint8)
     seen: list[int] = []
     for value in (1, 2, 3):
-        fake.copy(dst, torch.full((8,), value, dtype=torch.uint8), stream)
+        fake.copy(dst, [(0, torch.full((8,), value, dtype=torch.uint8))], stream)
         stream.enqueue(lambda: seen.append(int(dst[0])))
     event = fake.event()
     event.record(stream)
@@ -249,6 +252,20 @@ def test_rerecording_resets_the_event(fake):
     assert event.query()
 
 
+@pytest.mark.parametrize("nbytes", [0, 1, 1000, 4097, MiB + 3])
+def test_samples_read_the_fingerprints_bytes_after_the_streams_work(fake, monkeypatch, nbytes):
+    monkeypatch.setenv("TENSORSOCKET_FAKE_CUDA_DELAY", "0.2")
+    stream = fake.new_stream(0)
+    a = fake.alloc(max(nbytes, 1), 0)
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes))
+    fake.copy(a.tensor, [(0, src)], stream)  # lands 0.2 s later, on the same stream
+    stride, count = layout.sampling(nbytes)
+    got = fake.samples(a.tensor, stride, count, stream)
+    assert got.dtype == np.uint8 and got.shape == (count,)
+    assert layout.fingerprint_of(got, nbytes) == layout.fingerprint(src.numpy())
+    a.free()
+
+
 @pytest.mark.parametrize("ordered", [True, False], ids=["wait_stream", "no-ordering"])
 def test_wait_stream_orders_one_stream_after_another(fake, monkeypatch, ordered):
     monkeypatch.setenv("TENSORSOCKET_FAKE_CUDA_DELAY", "0.3")
@@ -257,7 +274,7 @@ def test_wait_stream_orders_one_stream_after_another(fake, monkeypatch, ordered)
     consumer = fake.new_stream(0)
     place = torch.zeros(16, dtype=torch.uint8)
     seen: list[int] = []
-    fake.copy(place, torch.full((16,), 4, dtype=torch.uint8), producer)
+    fake.copy(place, [(0, torch.full((16,), 4, dtype=torch.uint8))], producer)
     if ordered:
         fake.wait_stream(consumer, producer)
     consumer.enqueue(lambda: seen.append(int(place.sum())))  # a kernel reading the place
@@ -488,9 +505,7 @@ def test_real_allocation_is_opened_in_another_process_and_regions_live_by_refere
 def test_real_pinned_copy_event_and_wait_stream(monkeypatch):
     monkeypatch.delenv("TENSORSOCKET_FAKE_CUDA", raising=False)
     b = device.backend()
-    src = b.pinned(1 << 20)
-    assert src.is_pinned() and src.dtype == torch.uint8
-    src.fill_(3)
+    src = torch.full((1 << 20,), 3, dtype=torch.uint8).pin_memory()
     dst = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda:0")
     torch.cuda.synchronize()  # the zero fill ran on the default stream
     stream = b.new_stream(0)
@@ -498,11 +513,12 @@ def test_real_pinned_copy_event_and_wait_stream(monkeypatch):
     with b.use_stream(stream):
         assert b.current_stream(0) == stream
         torch.cuda._sleep(400_000_000)  # ~0.2 s of GPU time ahead of the copy
-    b.copy(dst, src, stream)
+    b.copy(dst, [(0, src)], stream)
     event = b.event()
     event.record(stream)
     assert not event.query()
-    reader = b.new_stream(0)
+    assert b.new_stream(0) is stream  # one per device and process
+    reader = torch.cuda.Stream(0)
     b.wait_stream(reader, stream)
     with b.use_stream(reader):
         total = dst.sum()  # queued behind the copy by wait_stream
@@ -525,6 +541,39 @@ def test_real_pinned_copy_event_and_wait_stream(monkeypatch):
     assert torch.equal(dst.cpu(), src)
     reader.synchronize()
     assert int(total.item()) == 3 * (1 << 20)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nbytes", [0, 1, 4097, (64 << 20) + 5])
+def test_real_samples_give_the_host_fingerprint(monkeypatch, nbytes):
+    monkeypatch.delenv("TENSORSOCKET_FAKE_CUDA", raising=False)
+    b = device.backend()
+    host = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    region = torch.empty(nbytes + 4096, dtype=torch.uint8, device="cuda:0")
+    stream = b.new_stream(0)
+    with b.use_stream(stream):
+        torch.cuda._sleep(100_000_000)  # the copy lands well after the call returns
+        region[:nbytes].copy_(host.pin_memory(), non_blocking=True)
+    stride, count = layout.sampling(nbytes)
+    assert layout.fingerprint_of(b.samples(region, stride, count, stream), nbytes) == layout.fingerprint(host)
+
+
+@pytest.mark.gpu
+def test_real_current_stream_follows_the_threads_stream(monkeypatch):
+    monkeypatch.delenv("TENSORSOCKET_FAKE_CUDA", raising=False)
+    b = device.backend()
+    assert b.current_stream(0) == torch.cuda.current_stream(0)
+    mine, pooled = b.new_stream(0), torch.cuda.Stream(0)
+    for stream in (mine, pooled, mine):
+        with torch.cuda.stream(stream):
+            assert b.current_stream(0) == stream == torch.cuda.current_stream(0)
+    assert b.current_stream(0) == torch.cuda.default_stream(0)
+    seen = []
+    worker = threading.Thread(target=lambda: seen.append(b.current_stream(0)))
+    with torch.cuda.stream(mine):
+        worker.start()
+        worker.join(30)
+    assert seen == [torch.cuda.default_stream(0)]  # current streams are per thread
 
 
 @pytest.mark.gpu

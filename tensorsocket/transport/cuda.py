@@ -22,8 +22,10 @@ no spin) and only then is the place released, so the producer never overwrites m
 queued kernel still reads, and never waits on a consumer's event either.
 
 GPU memory cannot be write-protected, so in-place writes are caught by the fingerprint: the
-producer computes it on the device once its copies are done, the consumer on the device at
-release, with the same integer formula (``layout.fingerprint``).
+producer once its copies are done, the consumer at release, each copies the same ~1 KiB of
+sampled bytes to the host with one strided copy on a stream of its own (no kernel, no device
+allocation: ~14 us on an H100, against ~43 us and 2 MiB of caching-allocator memory for
+torch ops) and applies the host formula (``layout.fingerprint_of``).
 
 ``TENSORSOCKET_TEST_UNORDERED=announce|release|1`` (tests only) skips the producer's wait, the
 consumer's, or both, to show each is needed.
@@ -60,19 +62,26 @@ def _ordered(wait: str) -> bool:
 
 class _Write(Receipt):
     """Copies in flight on the producer's stream; ``keep`` holds their sources until they are
-    done. The fingerprint is taken on the device once they are (a short kernel): waiting on
-    the event releases the GIL, converting a device scalar to an int does not."""
+    done. Then the fingerprint's samples are copied to the host on the same stream (no kernel,
+    no device allocation). Waiting on the event sleeps in the driver with the GIL released."""
 
-    def __init__(self, event: Any, region: torch.Tensor, keep: Any) -> None:
+    def __init__(self, dev: Any, event: Any, stream: Any, region: torch.Tensor, keep: Any) -> None:
         super().__init__(None)
-        self._event, self._region, self._keep = event, region, keep
+        self._dev, self._event, self._stream, self._region, self._keep = dev, event, stream, region, keep
 
     def wait(self) -> int | None:
-        if _ordered("announce"):
-            self._event.synchronize()
-        self._keep = None
         region, self._region = self._region, None
-        return layout.fingerprint(region)
+        if not _ordered("announce"):  # (tests) reading the samples would wait for the copies too
+            return None
+        self._event.synchronize()
+        self._keep = None
+        return _fingerprint(self._dev, region, region.shape[0], self._stream)
+
+
+def _fingerprint(dev: Any, region: torch.Tensor, nbytes: int, stream: Any) -> int:
+    """``layout.fingerprint`` of the first ``nbytes`` of a device region, read on ``stream``."""
+    stride, count = layout.sampling(nbytes)
+    return layout.fingerprint_of(dev.samples(region, stride, count, stream), nbytes)
 
 
 class CudaStore(Store):
@@ -147,15 +156,15 @@ class CudaStore(Store):
         device to device after the work that made them."""
         if self._closed:
             raise RuntimeError("the cuda store is closed")
-        dst = self._arenas[place].tensor[: plan.nbytes]
-        self._dev.wait_stream(self._stream, self._dev.current_stream(self.ordinal))
-        for leaf, src in zip(plan.leaves, plan.sources, strict=True):
-            if leaf.nbytes:
-                self._dev.copy(
-                    dst[leaf.offset : leaf.offset + leaf.nbytes], layout.leaf_bytes(src), self._stream
-                )
+        dst = self._arenas[place].tensor
+        pieces = [
+            (leaf.offset, layout.leaf_bytes(src))
+            for leaf, src in zip(plan.leaves, plan.sources, strict=True)
+            if leaf.nbytes
+        ]
+        self._dev.copy(dst, pieces, self._stream)
         self._event.record(self._stream)
-        return _Write(self._event, dst, plan.sources)
+        return _Write(self._dev, self._event, self._stream, dst[: plan.nbytes], plan.sources)
 
     def close(self) -> None:
         self._closed = True
@@ -261,8 +270,7 @@ class CudaReader(Reader):
                     self._waiter.start()
 
     def fingerprint(self, token: _Use, nbytes: int) -> int:
-        with self._dev.use_stream(self._side):
-            return layout.fingerprint(token.mapping.tensor[:nbytes])
+        return _fingerprint(self._dev, token.mapping.tensor, nbytes, self._side)
 
     def close(self) -> None:
         self._retired.put(None)

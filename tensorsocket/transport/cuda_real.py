@@ -24,6 +24,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import numpy as np
 import torch
 
 from .cuda_ipc import DeviceArena, _Mapping, _runtime
@@ -120,6 +121,9 @@ class RealBackend:
             raise GpuPathError(f"{exc}") from None
         self.open_count = 0
         self._lock = threading.Lock()
+        self._streams: dict[tuple[int, int, int], torch.cuda.Stream] = {}
+        self._own: dict[int, torch.cuda.ExternalStream] = {}
+        self._local = threading.local()  # each thread's pinned buffer for fingerprint samples
 
     def visible_uuids(self) -> list[str]:
         return [f"GPU-{torch.cuda.get_device_properties(i).uuid}" for i in range(torch.cuda.device_count())]
@@ -139,21 +143,63 @@ class RealBackend:
             self.open_count += 1
         return mapping
 
-    def pinned(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-
-    def new_stream(self, ordinal: int) -> torch.cuda.Stream:
-        return torch.cuda.Stream(device=ordinal)
+    def new_stream(self, ordinal: int) -> torch.cuda.ExternalStream:
+        # One raw non-blocking stream per device, made once and kept for the process's life
+        # (as torch keeps its own): torch.cuda.Stream() would make torch create its stream
+        # pool on the device, measured at 70 MiB of GPU memory per process on an H100. Work
+        # on it is ordered by events, so the stores and readers of a process can share it.
+        with self._lock:
+            stream = self._own.get(ordinal)
+            if stream is None:
+                runtime = _runtime()
+                with torch.cuda.device(ordinal):
+                    raw = runtime.streamCreateWithFlags(runtime.streamNonBlocking)
+                stream = self._own[ordinal] = torch.cuda.ExternalStream(
+                    raw, device=torch.device("cuda", ordinal)
+                )
+        return stream
 
     def current_stream(self, ordinal: int) -> torch.cuda.Stream:
-        return torch.cuda.current_stream(ordinal)
+        # Per batch, in the training thread: the raw (id, device, type) triple and a dict
+        # lookup, instead of torch.cuda.current_stream's Python layers (~4 us warm, ~50 us
+        # after a sleep on a VM).
+        key = _current_stream_key(ordinal)
+        stream = self._streams.get(key)
+        if stream is None:
+            if len(self._streams) > 64:  # streams made and dropped by the user: forget them
+                self._streams.clear()
+            stream = self._streams[key] = torch.cuda.Stream(
+                stream_id=key[0], device_index=key[1], device_type=key[2]
+            )
+        return stream
 
     def use_stream(self, stream: torch.cuda.Stream) -> Any:
         return torch.cuda.stream(stream)
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> None:
+    def copy(
+        self, dst: torch.Tensor, pieces: list[tuple[int, torch.Tensor]], stream: torch.cuda.Stream
+    ) -> None:
+        if any(src.is_cuda for _, src in pieces):
+            stream.wait_stream(torch.cuda.current_stream(stream.device))
         with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
+            for offset, src in pieces:
+                dst[offset : offset + src.shape[0]].copy_(src, non_blocking=True)
+
+    def samples(self, region: torch.Tensor, stride: int, count: int, stream: torch.cuda.Stream) -> np.ndarray:
+        buffer = getattr(self._local, "samples", None)
+        if buffer is None or buffer.shape[0] < count:
+            buffer = self._local.samples = torch.empty(
+                max(count, 1 << 11), dtype=torch.uint8, pin_memory=True
+            )
+        if count:
+            runtime = _runtime()
+            with torch.cuda.device(region.device):
+                runtime.memcpy2DAsync(
+                    buffer.data_ptr(), 1, region.data_ptr(), stride, 1, count,
+                    runtime.memcpyDeviceToHost, stream.cuda_stream,
+                )  # fmt: skip
+                runtime.streamSynchronize(stream.cuda_stream)
+        return buffer.numpy()[:count].copy()
 
     def wait_stream(self, stream: torch.cuda.Stream, other: torch.cuda.Stream) -> None:
         stream.wait_stream(other)
@@ -163,3 +209,15 @@ class RealBackend:
         # of spinning a core; torch's Event.synchronize releases the GIL while it waits
         # (torch/csrc/cuda/Event.cpp, THCPEvent_synchronize: gil_scoped_release).
         return torch.cuda.Event(blocking=True)
+
+
+_get_current_stream = getattr(torch._C, "_cuda_getCurrentStream", None)
+
+
+def _current_stream_key(ordinal: int) -> tuple[int, int, int]:
+    """(stream id, device index, device type) of this thread's current stream: what
+    ``torch.cuda.current_stream`` reads, without its Python layers."""
+    if _get_current_stream is None:  # pragma: no cover - a torch without it
+        stream = torch.cuda.current_stream(ordinal)
+        return stream.stream_id, stream.device_index, stream.device_type
+    return tuple(_get_current_stream(ordinal))  # type: ignore[return-value]

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from .gpu_topology import GpuPathError  # what backend() raises; re-exported for callers
@@ -112,22 +113,28 @@ class DeviceBackend(Protocol):
 
     def open(self, handle: bytes, size: int, ordinal: int) -> DeviceMapping: ...
 
-    def pinned(self, nbytes: int) -> torch.Tensor:
-        """A flat uint8 host staging tensor (page-locked on the real backend, so copies from
-        it are truly asynchronous)."""
-
     def new_stream(self, ordinal: int) -> Stream:
-        """A stream of the caller's own (real: a non-default ``torch.cuda.Stream``)."""
+        """A stream that is not the default one, for the transport's own work. Real: one raw
+        non-blocking CUDA stream per device and process, shared by its stores and readers
+        (their work is ordered by events), never torch's stream pool, whose first use costs
+        ~70 MiB of GPU memory per process. Stand-in: a new FIFO worker per call."""
 
     def current_stream(self, ordinal: int) -> Stream:
-        """The calling thread's current stream on that device."""
+        """The calling thread's current stream on that device (cheap: called per batch)."""
 
     def use_stream(self, stream: Stream) -> AbstractContextManager[Any]:
         """Make ``stream`` current in this thread for the block."""
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> None:
-        """Enqueue ``dst.copy_(src)`` on ``stream``; returns at once. The caller keeps ``src``
-        alive until an event recorded after it has fired."""
+    def copy(self, dst: torch.Tensor, pieces: list[tuple[int, torch.Tensor]], stream: Stream) -> None:
+        """Enqueue on ``stream``, for each ``(offset, src)``, a copy of the flat uint8 ``src``
+        into ``dst[offset:]``, after the work queued so far on the calling thread's current
+        stream if a source is in device memory (the work that made it); returns at once. The
+        caller keeps the sources alive until an event recorded after it has fired."""
+
+    def samples(self, region: torch.Tensor, stride: int, count: int, stream: Stream) -> np.ndarray:
+        """Bytes ``0, stride, ..., (count - 1) x stride`` of a flat uint8 device tensor, read
+        on ``stream`` after the work queued there (a strided copy to the host, no kernel and
+        no allocation on the device); waits for them."""
 
     def wait_stream(self, stream: Stream, other: Stream) -> None:
         """``stream`` waits, on the device, for the work queued on ``other`` so far."""

@@ -225,9 +225,6 @@ class FakeBackend:
         self.open_count += 1
         return mapping
 
-    def pinned(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8)
-
     def new_stream(self, ordinal: int) -> FakeStream:
         self._check(ordinal)
         return FakeStream(ordinal, float(os.environ.get("TENSORSOCKET_FAKE_CUDA_DELAY", "0") or 0))
@@ -255,22 +252,37 @@ class FakeBackend:
             else:
                 streams[stream.ordinal] = previous
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: FakeStream) -> None:
-        # Shape errors surface here, at enqueue time, as copy_ raises them on a GPU.
-        try:
-            fits = torch.broadcast_shapes(dst.shape, src.shape) == dst.shape
-        except RuntimeError:
-            fits = False
-        if not fits:
-            raise RuntimeError(f"cannot copy a tensor of shape {tuple(src.shape)} into {tuple(dst.shape)}")
+    def copy(self, dst: torch.Tensor, pieces: list[tuple[int, torch.Tensor]], stream: FakeStream) -> None:
+        # Bounds errors surface here, at enqueue time, as copy_ raises them on a GPU. The
+        # stand-in cannot tell a loader's "device" tensors from host ones, so it always
+        # orders the copies after the caller's current stream, as a GPU source needs.
+        for offset, src in pieces:
+            if src.dim() != 1 or not 0 <= offset <= offset + src.shape[0] <= dst.shape[0]:
+                raise RuntimeError(
+                    f"cannot copy {tuple(src.shape)} bytes to offset {offset} of {tuple(dst.shape)}"
+                )
+        self.wait_stream(stream, self.current_stream(stream.ordinal))
         delay = stream.delay
 
         def run() -> None:
             if delay:
                 time.sleep(delay)
-            dst.copy_(src)
+            for offset, src in pieces:
+                dst[offset : offset + src.shape[0]].copy_(src)
 
         stream.enqueue(run)
+
+    def samples(self, region: torch.Tensor, stride: int, count: int, stream: FakeStream) -> np.ndarray:
+        out: list[np.ndarray] = []
+        done = threading.Event()
+
+        def read() -> None:
+            out.append(region.numpy()[: max(count - 1, 0) * stride + 1 : stride][:count].copy())
+            done.set()
+
+        stream.enqueue(read)
+        _wait(done)
+        return out[0]
 
     def wait_stream(self, stream: FakeStream, other: FakeStream) -> None:
         marker = threading.Event()
