@@ -45,6 +45,10 @@ class ConsumerStatus(ConsumerRates):
     held: int  # batches it holds (sent, not released)
     received: int  # batches it was sent
     skipped: int  # batches it was moved past (stragglers="skip")
+    # MiB of GPU memory it uses on the producer's GPU, as NVML reports it for its pid (any
+    # CUDA context of its own included); None unless the transport is "cuda" and
+    # nvidia-ml-py works, or when NVML lists no figure for its pid (not using that GPU)
+    gpu_mib: float | None
 
 
 class ProducerStatus(TypedDict):
@@ -61,6 +65,9 @@ class ProducerStatus(TypedDict):
     slot_bytes: int  # bytes of arenas allocated
     transport: str  # the store's kind: "shm", "cuda"
     device: str  # where batches are shared: "cpu", "cuda:0"
+    # MiB of GPU memory the producer process uses on that GPU (its arenas, its CUDA context),
+    # from NVML; None unless the transport is "cuda" and nvidia-ml-py works
+    gpu_mib: float | None
     stragglers: str  # "stall" or "skip"
     max_lag: int | None  # None under "stall"
     epoch: int

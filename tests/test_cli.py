@@ -213,7 +213,8 @@ def test_serve_with_options_status_while_consuming_second_serve_and_sigterm(pipe
         assert "bottleneck: " in text and "3 slots" in text and "replay budget 1.0 MiB" in text
         assert "stragglers: stall" in text and "batches/s (since start)" in text
         header = next(line for line in text.splitlines() if line.startswith("consumer "))
-        assert header.split() == [
+        # "gpu mem" too where nvidia-ml-py sees this process on a GPU (an earlier GPU test's context)
+        assert header.replace("  gpu mem", "").split() == [
             "consumer", "pid", "device", "batch", "joined", "cursor", "lag", "held", "received",
             "skipped", "samples/s", "waiting", "note",
         ]  # fmt: skip
@@ -559,3 +560,29 @@ def test_gpu_lines_and_column(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(fake, "nvmlInit", no_driver)
     assert gpu_lines() == []
+
+
+def test_format_status_with_the_producers_gpu_memory() -> None:
+    """A producer on a GPU sends ``gpu_mib`` (its own and each consumer's, from NVML there):
+    a line for the producer and the ``gpu mem`` column, "-" for a consumer without a figure.
+    None (host shared memory, no nvidia-ml-py) or absent (an earlier producer): neither."""
+    consumers = [
+        _consumer("a", device="cuda:0", gpu_mib=512.0),
+        _consumer("b", pid=8, device="cuda:0", gpu_mib=None),
+    ]
+    status = _status(transport="cuda", device="cuda:0", gpu_mib=1536.0, consumers=consumers)
+    text = format_status(status, gpu=([], {}))
+    lines = text.splitlines()
+    assert "  GPU memory of the producer on cuda:0: 1.5 GiB" in lines
+    header, first, second = lines[-3:]
+    assert header.index("waiting") < header.index("gpu mem") < header.index("note")
+    assert first.split()[12:14] == ["512.0", "MiB"]
+    assert second.split()[12] == "-"
+    # The producer's figure wins over this host's reading by pid; the host's fills a gap.
+    text = format_status(status, gpu=([], {7: 3 << 30, 8: 1 << 30}))
+    first, second = text.splitlines()[-2:]
+    assert "512.0 MiB" in first and "3.0 GiB" not in first and "1.0 GiB" in second
+
+    for none in (_status(gpu_mib=None, consumers=[_consumer("a", gpu_mib=None)]), _status()):
+        text = format_status(none, gpu=([], {}))
+        assert "GPU memory" not in text and "gpu mem" not in text

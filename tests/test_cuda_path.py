@@ -10,8 +10,13 @@ injected copy delays) say so and skip there.
 from __future__ import annotations
 
 import ctypes
+import json
+import logging
 import os
+import shutil
 import signal
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -373,3 +378,97 @@ def test_gpu_path_errors_are_tensorsocket_errors():
     from tensorsocket import TensorSocketError
 
     assert issubclass(GpuPathError, TensorSocketError)
+
+
+# ----------------------------------------------------------- a consumer in another PID namespace
+
+
+def _unshare_works() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True, timeout=30
+    )
+    return probe.returncode == 0
+
+
+needs_unshare = pytest.mark.skipif(not _unshare_works(), reason="unshare --pid needs root (CI runs as root)")
+# The consumer in the other namespace gets host memory; on a real GPU it copies it there.
+OTHER_NS_DEVICE = "cuda:0" if REAL else "cpu"
+
+
+def _consumer_in_new_pid_namespace(
+    name: str, epochs: int, batches: int, go: str | None = None, **options: Any
+) -> subprocess.Popen:
+    """``run_consumer`` in a new PID namespace (as in another container), reporting on stdout;
+    with ``go``, it joins only once that file exists (imports done, so it joins at once)."""
+    script = (
+        "import json, os, time\n"
+        "import tensorsocket\n"
+        "from tests.support import run_consumer\n"
+        "class Out:\n"
+        "    def put(self, report):\n"
+        "        print('REPORT ' + json.dumps(report), flush=True)\n"
+        "class Go:\n"
+        "    def wait(self, timeout):\n"
+        "        end = time.monotonic() + timeout\n"
+        f"        while not os.path.exists({go!r}) and time.monotonic() < end:\n"
+        "            time.sleep(0.005)\n"
+        f"run_consumer({name!r}, {epochs}, {batches}, Out(), options={options!r}, go=Go() if {go!r} else None)\n"
+    )
+    command = ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", script]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.Popen(command, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _report_of(proc: subprocess.Popen) -> dict[str, Any]:
+    out, err = proc.communicate(timeout=120)
+    lines = [line for line in out.splitlines() if line.startswith("REPORT ")]
+    assert lines, f"exit {proc.returncode}\n{out[-2000:]}\n{err[-4000:]}"
+    report = json.loads(lines[-1][len("REPORT ") :])
+    report["seen"] = [tuple(s) for s in report["seen"]]
+    assert report["pid"] == 1  # it did run in a namespace of its own
+    return report
+
+
+@needs_unshare
+def test_a_consumer_in_another_pid_namespace_reads_a_host_mirror(name, caplog):
+    batches = 7  # ragged batches: the places grow, and both transports hear of it
+    local, results = start_consumers(name, 1, EPOCHS, batches, options={"device": "cuda:0"})
+    other = _consumer_in_new_pid_namespace(name, EPOCHS, batches, device=OTHER_NS_DEVICE)
+    with caplog.at_level(logging.WARNING, logger="tensorsocket"):
+        Producer(NestedLoader(batches), name=name, device="cuda:0", slots=3, min_consumers=2).serve(
+            epochs=EPOCHS
+        )
+    assert_exact(collect(local, results, 1)[0], batches)
+    assert_exact(_report_of(other), batches)
+    assert "runs in another PID namespace" in caplog.text
+    assert "host shared-memory copy of every batch" in caplog.text
+
+
+@needs_unshare
+def test_a_late_joiner_in_another_pid_namespace_replays_batches_written_before_the_mirror(name, tmp_path):
+    # The mirror starts when the joiner arrives, mid-epoch: the batches already in the places
+    # are copied into it, and the joiner replays the whole epoch from them.
+    batches = 8
+    go = str(tmp_path / "go")
+    other = _consumer_in_new_pid_namespace(
+        name, EPOCHS, batches, go=go, device=OTHER_NS_DEVICE, late_join="replay"
+    )
+    local, results = start_consumers(name, 1, EPOCHS, batches, options={"device": "cuda:0"}, step=0.3)
+    producer = Producer(
+        NestedLoader(batches), name=name, device="cuda:0", slots=3, replay=64 << 20, min_consumers=1
+    )
+    with serving(producer, epochs=EPOCHS):
+        deadline = time.monotonic() + 60
+        while producer.status()["published"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        open(go, "w").close()
+        while len(producer.status()["consumers"]) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        status = producer.status()
+        assert len(status["consumers"]) == 2 and status["epoch"] == 0, status  # it joined mid-epoch 0
+        late = _report_of(other)
+        first = collect(local, results, 1)[0]
+    assert_exact(first, batches)
+    assert_exact(late, batches)

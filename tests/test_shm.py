@@ -49,11 +49,12 @@ def test_producer_and_consumer_views_share_memory_and_regrowth_is_announced():
     pool = ShmStore()
     try:
         small = layout.plan(torch.arange(10))
-        info = ArenaInfo.decode(pool.install(pool.prepare(0, small.nbytes)))
+        (descriptor,) = pool.install(pool.prepare(0, small.nbytes))  # one transport: one descriptor
+        info = ArenaInfo.decode(descriptor)
         assert info.size % 4096 == 0
         assert pool.prepare(0, small.nbytes) is None  # fits: no new arena
         big = layout.plan(torch.arange(1 << 20))
-        grown = ArenaInfo.decode(pool.install(pool.prepare(0, big.nbytes)))
+        grown = ArenaInfo.decode(pool.install(pool.prepare(0, big.nbytes))[0])
         assert grown.name != info.name and grown.size >= big.nbytes
         assert not os.path.exists(os.path.join(SHM_DIR, info.name))  # the old one is unlinked
         fingerprint = pool.write(0, big).wait()

@@ -3,14 +3,17 @@ the typed records against what a real producer reports (a renamed key fails here
 
 from __future__ import annotations
 
+import os
+import sys
 from collections import deque
 from typing import Any
 
 import pytest
 import torch
 
-from tensorsocket import Consumer, Producer
+from tensorsocket import Consumer, Producer, gpu_memory
 from tensorsocket.cli.query import query_status
+from tensorsocket.cli.status import format_status
 from tensorsocket.status import (
     RATE_WINDOW,
     ConsumerRates,
@@ -24,7 +27,7 @@ from tensorsocket.status import (
     slowest,
     time_shares,
 )
-from tests.support import unique_name
+from tests.support import SPAWN, NestedLoader, serving, unique_name, wait_until
 
 
 def consumer(label: str, **fields: Any) -> ConsumerStatus:
@@ -32,7 +35,7 @@ def consumer(label: str, **fields: Any) -> ConsumerStatus:
         "label": label, "pid": 7, "device": "cpu", "batch_size": None, "late_join": "replay",
         "joined_s_ago": 75.0, "cursor": 17, "lag": 0, "catching_up": False, "held": 1,
         "received": 16, "skipped": 0, "batches": 16, "samples": 512, "waiting_s": 1.0,
-        "samples_per_s": 250.0, "batches_per_s": 7.8, "waiting_share": 0.5,
+        "samples_per_s": 250.0, "batches_per_s": 7.8, "waiting_share": 0.5, "gpu_mib": None,
     }  # fmt: skip
     return {**base, **fields}  # type: ignore[typeddict-item]
 
@@ -41,7 +44,7 @@ def producer(**fields: Any) -> ProducerStatus:
     base: dict[str, Any] = {
         "endpoint": "ipc:///x.sock", "pid": 42, "uptime_s": 10.0, "slots": 4, "places": 12,
         "replay_places": 8, "replay_budget_bytes": 1 << 30, "resident_batches": 12,
-        "slot_bytes": 12 << 20, "transport": "shm", "device": "cpu", "stragglers": "stall",
+        "slot_bytes": 12 << 20, "transport": "shm", "device": "cpu", "gpu_mib": None, "stragglers": "stall",
         "max_lag": None, "epoch": 1, "next_seq": 20, "ended": False, "batches_per_epoch": 16,
         "samples_per_epoch": 512, "published": 18, "loader_wait": 6.0, "slot_wait": 1.0,
         "publish_time": 1.5, "bad_messages": 0,
@@ -184,5 +187,103 @@ def test_records_declare_exactly_the_keys_a_producer_reports() -> None:
             remote = query_status(p.endpoint, timeout=5.0)
             assert set(remote) == keys(ProducerStatus)
             assert set(remote["consumers"][0]) == keys(ConsumerStatus)
+            # Host shared memory: no GPU memory to report.
+            assert status["transport"] == "shm" and status["gpu_mib"] is None and record["gpu_mib"] is None
+            assert remote["gpu_mib"] is None and remote["consumers"][0]["gpu_mib"] is None
         finally:
             c.close()
+
+
+# ---------------------------------------------------------------------------- GPU memory
+
+
+def test_gpu_memory_is_none_on_the_cpu_stand_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    """device="cuda:0" over the CPU stand-in: the cuda transport, but its GPUs are not real,
+    so the producer and its consumer report no GPU memory (and status() does not fail)."""
+    monkeypatch.setenv("TENSORSOCKET_FAKE_CUDA", "1")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    name = unique_name("status-gpu")
+    with Producer(NestedLoader(3), name=name, device="cuda:0", slots=2, replay=0, linger=5.0) as p:
+        assert p.status()["gpu_mib"] is None
+        with Consumer(name=name, device="cuda:0", timeout=10.0, label="fake") as c:
+            with serving(p, epochs=1) as (_, errors):
+                batches = iter(c)
+                next(batches)  # joined and reading: the stream has not ended
+                status = p.status()
+                assert status["transport"] == "cuda" and status["device"] == "cuda:0"
+                assert status["gpu_mib"] is None
+                (record,) = status["consumers"]
+                assert set(record) == keys(ConsumerStatus) and record["gpu_mib"] is None
+                assert "GPU memory of the producer" not in format_status(status, gpu=([], {}))
+                assert sum(1 for _ in batches) == 2
+            assert errors == []
+
+
+def test_gpu_memory_unknown_gpu_and_failing_nvml_give_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    """process_mib never raises: no GPU, a GPU NVML does not know (the stand-in's UUID), and
+    nvidia-ml-py missing all give None, and a failed NVML start is not retried per call."""
+    assert gpu_memory.process_mib(None) is None
+    assert gpu_memory.process_mib("GPU-00000000-0000-4000-8000-000000000000") is None  # the stand-in's
+    # Start over in a process state where nvidia-ml-py cannot be imported (restored after).
+    monkeypatch.setattr(gpu_memory, "_pid", None)
+    monkeypatch.setattr(gpu_memory, "_nvml", None)
+    monkeypatch.setattr(gpu_memory, "_failed", False)
+    monkeypatch.setattr(gpu_memory, "_handles", {})
+    monkeypatch.setattr(gpu_memory, "_recent", {})
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    assert gpu_memory.process_mib("GPU-00000000-0000-4000-8000-000000000000") is None
+    assert gpu_memory._failed and gpu_memory._pid == os.getpid()
+    monkeypatch.delitem(sys.modules, "pynvml")  # importable again, if installed: not tried
+    assert gpu_memory.process_mib("GPU-00000000-0000-4000-8000-000000000000") is None
+    assert gpu_memory._nvml is None
+
+
+def _gpu_consumer(name: str, ready: Any, done: Any) -> None:
+    """Take one batch on cuda:0, signal ``ready``, hold it until ``done``."""
+    consumer = Consumer(name=name, device="cuda:0", timeout=60.0, label="gpu")
+    try:
+        batch = next(iter(consumer))
+        ready.set()
+        done.wait(120)
+        del batch
+    finally:
+        consumer.close()
+
+
+@pytest.mark.gpu
+def test_gpu_memory_per_process_on_a_real_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Producer(device="cuda:0") and one GPU consumer process: NVML gives the producer's GPU
+    memory (its arenas and context) and the consumer's, by pid, in status() and over the socket."""
+    pytest.importorskip("pynvml", reason="needs nvidia-ml-py")
+    monkeypatch.delenv("TENSORSOCKET_FAKE_CUDA", raising=False)
+    name = unique_name("status-gpu")
+    ready, done = SPAWN.Event(), SPAWN.Event()
+    child = SPAWN.Process(target=_gpu_consumer, args=(name, ready, done))
+    with Producer(NestedLoader(6), name=name, device="cuda:0", slots=2, replay=0, linger=5.0) as p:
+        child.start()
+        try:
+            with serving(p, epochs=1):
+                assert ready.wait(120), "the GPU consumer got no batch"
+
+                def reported() -> ProducerStatus | None:
+                    status = p.status()
+                    consumers = status["consumers"]
+                    found = (
+                        status["gpu_mib"] is not None and consumers and consumers[0]["gpu_mib"] is not None
+                    )
+                    return status if found else None
+
+                status = wait_until(reported, 30, lambda: f"GPU memory in {p.status()}")
+                assert status["transport"] == "cuda"
+                assert status["gpu_mib"] is not None and status["gpu_mib"] > 0
+                (record,) = status["consumers"]
+                assert record["pid"] == child.pid and isinstance(record["gpu_mib"], float)
+                assert "GPU memory of the producer on cuda:0" in format_status(status, gpu=([], {}))
+                assert query_status(p.endpoint, timeout=5.0)["consumers"][0]["gpu_mib"] is not None
+                done.set()  # the consumer leaves before the producer closes
+                child.join(60)
+        finally:
+            done.set()
+            child.join(60)
+            if child.is_alive():
+                child.kill()

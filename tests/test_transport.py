@@ -82,7 +82,10 @@ def put(store: Store, place: int, batch: Any) -> tuple[list[Any] | None, list[An
     receipt fingerprint)."""
     plan = layout.plan(batch)
     prepared = store.prepare(place, plan.nbytes)
-    descriptor = None if prepared is None else store.install(prepared)
+    descriptors = None if prepared is None else store.install(prepared)
+    if descriptors is not None:
+        assert len(descriptors) == 1, descriptors  # one transport served: no mirror here
+    descriptor = None if descriptors is None else descriptors[0]
     return descriptor, plan.encode(), store.write(place, plan).wait()
 
 
@@ -326,7 +329,7 @@ def test_prepare_returns_none_while_the_arena_fits(kind, store):
     assert store.prepare(0, store.bytes) is None
     grown = store.prepare(0, store.bytes + 1)
     assert grown is not None
-    assert store.install(grown) != descriptor and store.bytes > encoded[2]
+    assert store.install(grown) != [descriptor] and store.bytes > encoded[2]
 
 
 def test_descriptors_are_tagged_by_transport_and_place(kind, store):
@@ -430,3 +433,40 @@ def test_a_sigkilled_owners_arenas_are_swept(kind, store):
         assert shm_segments(os.getpid()) == mine
     finally:
         victim.close()
+
+
+def test_admit_says_which_transport_a_consumer_reads(kind, store):
+    from tensorsocket.host import boot_id
+
+    hello = {"boot_id": boot_id(), "label": "t", "pid": 1}
+    assert store.admit(hello, True) == kind
+    with pytest.raises(ProtocolError, match="another (host|machine)"):
+        store.admit(hello | {"boot_id": "another-boot"}, False)
+    # Another PID namespace on this machine: host shared memory either way; a GPU store
+    # serves it from a host mirror of every place, kept up to date from then on.
+    first = sample(SMALL, seed=1)
+    put(store, 0, first)
+    assert store.admit(hello, False) == "shm"
+    kinds = sorted(d[0] for d in store.describe())
+    assert kinds == (["shm"] if kind == "shm" else ["cuda", "shm"])
+    reader = make_reader("shm", None)
+    for descriptor in store.describe():
+        if descriptor[0] == "shm":
+            reader.announce(descriptor)
+    plan = layout.plan(first)
+    views, lease = read(reader, 0, plan.encode())
+    assert same(views, first)  # written before the mirror began: copied into it
+    del views, lease
+    second = sample(BIG, seed=2)  # grows place 0: a new arena in every transport served
+    plan = layout.plan(second)
+    descriptors = store.install(store.prepare(0, plan.nbytes))
+    assert sorted(d[0] for d in descriptors) == kinds
+    fingerprint = store.write(0, plan).wait()
+    for descriptor in descriptors:
+        if descriptor[0] == "shm":
+            reader.announce(descriptor)
+    views, lease = read(reader, 0, plan.encode())
+    assert same(views, second)  # written after: mirrored by the write itself
+    assert reader.fingerprint(lease.token, plan.nbytes) == fingerprint
+    del views, lease
+    reader.close()

@@ -30,6 +30,8 @@ from .common import (
 from .gpu import gpu_usage
 from .query import NoProducer, query_status
 
+MIB = 1 << 20
+
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
@@ -108,6 +110,13 @@ def _stragglers_line(s: ProducerStatus) -> str:
     return "stragglers: unknown"
 
 
+def _gpu_bytes(c: ConsumerStatus, gpu_by_pid: dict[int, int]) -> float | None:
+    """A consumer's GPU memory: the producer's figure (on its GPU, from NVML there) when the
+    status has one, else this host's NVML reading by pid (all its GPUs), else None."""
+    mib = c.get("gpu_mib")  # .get: a producer of an earlier version does not send it
+    return mib * MIB if mib is not None else gpu_by_pid.get(c["pid"])
+
+
 def _row(c: ConsumerStatus, gpu_by_pid: dict[int, int] | None) -> list[str]:
     """One consumer's cells; with ``gpu_by_pid``, its GPU memory column too."""
     cursor = c["cursor"]
@@ -133,7 +142,7 @@ def _row(c: ConsumerStatus, gpu_by_pid: dict[int, int] | None) -> list[str]:
         _percent(c["waiting_share"]),
     ]
     if gpu_by_pid is not None:
-        used = gpu_by_pid.get(c["pid"])
+        used = _gpu_bytes(c, gpu_by_pid)
         row.append("-" if used is None else fmt_bytes(used))
     return row + [", ".join(note)]
 
@@ -167,6 +176,9 @@ def format_status(
         f"  {_stragglers_line(s)}",
         f"  {_memory_line(s)}",
     ]
+    producer_gpu = s.get("gpu_mib")
+    if producer_gpu is not None:
+        lines.append(f"  GPU memory of the producer on {s['device']}: {fmt_bytes(producer_gpu * MIB)}")
     if s["bad_messages"]:
         lines.append(f"  bad messages received: {s['bad_messages']}")
     gpu_text, gpu_by_pid = gpu if gpu is not None else gpu_usage()
@@ -176,7 +188,7 @@ def format_status(
     if not consumers:
         lines.append("no consumers connected")
         return "\n".join(lines)
-    with_gpu = any(c["pid"] in gpu_by_pid for c in consumers)
+    with_gpu = any(_gpu_bytes(c, gpu_by_pid) is not None for c in consumers)
     header = ["consumer", "pid", "device", "batch", "joined", "cursor", "lag", "held", "received"]
     header += ["skipped", "samples/s", "waiting"] + (["gpu mem"] if with_gpu else []) + ["note"]
     lines += _table(header, [_row(c, gpu_by_pid if with_gpu else None) for c in consumers])

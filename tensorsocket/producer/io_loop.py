@@ -184,10 +184,11 @@ class IoLoop:
         if cid in shared.peers:
             raise ProtocolError("HELLO from a consumer that already joined")
         local = same_host(msg["boot_id"], msg["pidns"])
-        shared.store.admit(msg, local)
+        transport = shared.store.admit(msg, local)
         peer = Peer(
-            msg["label"], msg["pid"], float(msg["timeout"]), local, now, now, msg["device"], msg["batch_size"]
-        )
+            msg["label"], msg["pid"], float(msg["timeout"]), local, now, now, msg["device"], msg["batch_size"],
+            transport=transport,
+        )  # fmt: skip
         shared.peers[cid] = peer
         if shared.first_join is None:
             shared.first_join = now
@@ -199,9 +200,9 @@ class IoLoop:
             batches=config.batches_per_epoch,
             samples=config.samples_per_epoch,
             slots=config.slots,
-            transport=shared.store.kind,
-            gpu=shared.store.gpu,
-            arenas=shared.store.describe(),
+            transport=transport,
+            gpu=shared.store.gpu if transport == shared.store.kind else None,
+            arenas=[d for d in shared.store.describe() if d[0] == transport],
             heartbeat=_heartbeat_interval(peer),
         )
         shared.outbox.append((cid, welcome))

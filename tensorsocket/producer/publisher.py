@@ -74,7 +74,8 @@ class Publisher:
             arena = shared.store.prepare(place, plan.nbytes)  # slow for big arenas: not under the lock
             if arena is not None:
                 with shared.changed:
-                    shared.broadcast(protocol.encode(Kind.ARENA, arena=shared.store.install(arena)))
+                    for descriptor in shared.store.install(arena):  # one per transport served
+                        shared.broadcast(protocol.encode(Kind.ARENA, arena=descriptor), descriptor[0])
             # Announce after completion: the BATCH goes out only once the bytes are where
             # consumers read them (on a GPU, the copy's event fired), so no consumer ever
             # waits on the producer's GPU work.

@@ -24,11 +24,12 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import protocol
+from .. import gpu_memory, protocol
 from ..flow import Action, Deliver, Flow, Skipped
 from ..protocol import Kind
 from ..status import ConsumerStatus, ProducerStatus, Report, rates
 from ..transport import Store
+from ..transport.device import fake_requested
 from ..wakeup import Wakeup
 
 
@@ -45,6 +46,7 @@ class Peer:
     device: str = "cpu"
     batch_size: int | None = None
     last_sent: float = 0.0
+    transport: str = "shm"  # the transport it reads batches through (the store's admit says)
     # its STATS reports, the last few seconds of them
     stats: collections.deque[Report] = field(default_factory=lambda: collections.deque(maxlen=32))
 
@@ -99,14 +101,20 @@ class Shared:
                 assert isinstance(action, Skipped)
                 self.outbox.append((action.consumer, protocol.encode(Kind.SKIPPED, count=action.count)))
 
-    def broadcast(self, frame: bytes) -> None:
-        """Queue ``frame`` for every joined consumer (lock held)."""
-        self.outbox.extend((cid, frame) for cid in self.peers)
+    def broadcast(self, frame: bytes, transport: str | None = None) -> None:
+        """Queue ``frame`` for every joined consumer, or those reading through ``transport``
+        (lock held)."""
+        self.outbox.extend(
+            (cid, frame) for cid, peer in self.peers.items() if transport in (None, peer.transport)
+        )
 
     def status(self) -> ProducerStatus:
         """A snapshot of consumers, places and timings (lock held)."""
         now = time.monotonic()
         config, flow = self.config, self.flow
+        # GPU memory by pid on the producer's GPU (None: not known; never raises, cached)
+        on_gpu = self.store.kind == "cuda" and not fake_requested()
+        gpu_mib = gpu_memory.process_mib(self.store.gpu) if on_gpu else None
         consumers: list[ConsumerStatus] = []
         for cid, peer in self.peers.items():
             state = flow.consumers[cid]
@@ -124,6 +132,8 @@ class Shared:
                     "held": len(state.held),
                     "received": state.received,
                     "skipped": state.skipped,
+                    # a pid of another PID namespace means nothing to NVML here
+                    "gpu_mib": gpu_mib.get(peer.pid) if gpu_mib is not None and peer.local else None,
                     **rates(peer.stats, now),
                 }
             )
@@ -140,6 +150,7 @@ class Shared:
             "slot_bytes": self.store.bytes,
             "transport": self.store.kind,
             "device": self.store.device,
+            "gpu_mib": None if gpu_mib is None else gpu_mib.get(os.getpid()),
             "stragglers": config.stragglers,
             "max_lag": config.max_lag,
             "epoch": flow.epoch,

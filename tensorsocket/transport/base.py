@@ -10,7 +10,9 @@ Producer side, :class:`Store`: :meth:`~Store.prepare` a place's arena (slow: out
 producer's lock), :meth:`~Store.install` it (under the lock; the descriptor to announce),
 :meth:`~Store.write` a batch and get a :class:`Receipt` (``wait()`` returns once the bytes are
 where consumers read them, with the batch's fingerprint), :meth:`~Store.describe` the arenas
-to a joining consumer, :meth:`~Store.admit` or refuse a consumer's HELLO, :meth:`~Store.close`.
+to a joining consumer, :meth:`~Store.admit` or refuse a consumer's HELLO (and say which
+transport it reads: a GPU store serves a consumer that cannot open CUDA IPC handles from a
+host-memory mirror of its places), :meth:`~Store.close`.
 
 Consumer side, :class:`Reader`: :meth:`~Reader.announce` an arena, :meth:`~Reader.lease` a
 place's region (the owner object behind the views: it is collected when the last view dies),
@@ -78,8 +80,9 @@ class Store(abc.ABC):
         """A new arena for ``place`` if its current one cannot hold ``nbytes`` (else None)."""
 
     @abc.abstractmethod
-    def install(self, prepared: Any) -> list[Any]:
-        """Put a prepared arena in its place (freeing the one it replaces); its descriptor."""
+    def install(self, prepared: Any) -> list[list[Any]]:
+        """Put a prepared arena in its place (freeing the one it replaces); its descriptors,
+        one per transport this store serves (each tagged: a consumer gets its own kind's)."""
 
     @abc.abstractmethod
     def write(self, place: int, plan: Plan) -> Receipt:
@@ -87,12 +90,13 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def describe(self) -> list[list[Any]]:
-        """The descriptors of every installed arena, for a joining consumer."""
+        """The descriptors of every installed arena, of every transport served (tagged)."""
 
     @abc.abstractmethod
-    def admit(self, hello: dict[str, Any], local: bool) -> None:
-        """Raise ProtocolError naming the cause and the remedy if this consumer cannot read
-        this transport's arenas (``local``: same host and pid namespace)."""
+    def admit(self, hello: dict[str, Any], local: bool) -> str:
+        """The transport this consumer reads batches through (``local``: same host and pid
+        namespace): this store's kind, or another it serves the same places through. Raise
+        ProtocolError naming the cause and the remedy if it can read none."""
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -38,7 +38,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -49,10 +49,15 @@ from . import device as devices
 from .base import Lease, Reader, Receipt, Store, check_descriptor, grown_size
 from .gpu_topology import GpuPathError
 
+if TYPE_CHECKING:
+    from .shm import ShmStore
+
 log = logging.getLogger("tensorsocket")
 
 KIND = "cuda"
+MIRROR_KIND = "shm"  # what a consumer that cannot open CUDA IPC handles reads instead
 _HANDLE_BYTES = 64
+_WAITER_JOIN_S = 10.0  # its waits are on this process's own streams: they end
 
 
 def _ordered(wait: str) -> bool:
@@ -61,21 +66,27 @@ def _ordered(wait: str) -> bool:
 
 
 class _Write(Receipt):
-    """Copies in flight on the producer's stream; ``keep`` holds their sources until they are
+    """Copies in flight on the producer's stream; ``plan`` holds their sources until they are
     done. Then the fingerprint's samples are copied to the host on the same stream (no kernel,
-    no device allocation). Waiting on the event sleeps in the driver with the GIL released."""
+    no device allocation), and the batch is written to the host mirror if there is one.
+    Waiting on the event sleeps in the driver with the GIL released."""
 
-    def __init__(self, dev: Any, event: Any, stream: Any, region: torch.Tensor, keep: Any) -> None:
+    def __init__(self, store: CudaStore, place: int, plan: layout.Plan) -> None:
         super().__init__(None)
-        self._dev, self._event, self._stream, self._region, self._keep = dev, event, stream, region, keep
+        self._store, self._place, self._plan = store, place, plan
+        self._event = store._event
+        self._region = store._arenas[place].tensor[: plan.nbytes]
 
     def wait(self) -> int | None:
-        region, self._region = self._region, None
+        store, region, self._region = self._store, self._region, None
         if not _ordered("announce"):  # (tests) reading the samples would wait for the copies too
             return None
         self._event.synchronize()
-        self._keep = None
-        return _fingerprint(self._dev, region, region.shape[0], self._stream)
+        with store._mirror_lock:
+            if store._mirror is not None:
+                store._mirror.write(self._place, self._plan)
+        self._plan = None  # type: ignore[assignment]
+        return _fingerprint(store._dev, region, region.shape[0], store._stream)
 
 
 def _fingerprint(dev: Any, region: torch.Tensor, nbytes: int, stream: Any) -> int:
@@ -110,6 +121,10 @@ class CudaStore(Store):
         self._event = self._dev.event()  # one: each write is waited for before the next
         self._arenas: dict[int, Any] = {}
         self._closed = False
+        # A host copy of every place for consumers that cannot open CUDA IPC handles (another
+        # PID namespace): made when the first one joins, written after each GPU write.
+        self._mirror: ShmStore | None = None
+        self._mirror_lock = threading.Lock()
 
     def prepare(self, place: int, nbytes: int) -> tuple[int, Any] | None:
         if self._closed:
@@ -119,7 +134,7 @@ class CudaStore(Store):
             return None
         return place, self._dev.alloc(grown_size(current.size if current else None, nbytes), self.ordinal)
 
-    def install(self, prepared: tuple[int, Any]) -> list[Any]:
+    def install(self, prepared: tuple[int, Any]) -> list[list[Any]]:
         place, allocation = prepared
         if self._closed:
             allocation.free()
@@ -130,24 +145,53 @@ class CudaStore(Store):
             current.free()  # consumers still mapping it keep it alive until they close it
         self._arenas[place] = allocation
         self.bytes += allocation.size
-        return self._descriptor(place, allocation)
+        descriptors = [self._descriptor(place, allocation)]
+        if self._mirror is not None:
+            descriptors += self._mirror_place(self._mirror, place, allocation)
+        return descriptors
 
     def _descriptor(self, place: int, allocation: Any) -> list[Any]:
         return [KIND, place, allocation.handle, allocation.size, self.gpu]
 
     def describe(self) -> list[list[Any]]:
-        return [self._descriptor(place, a) for place, a in self._arenas.items()]
+        mirrored = [] if self._mirror is None else self._mirror.describe()
+        return [self._descriptor(place, a) for place, a in self._arenas.items()] + mirrored
 
-    def admit(self, hello: dict[str, Any], local: bool) -> None:
+    def admit(self, hello: dict[str, Any], local: bool) -> str:
         if hello["boot_id"] != boot_id():
             raise ProtocolError(
                 "consumer runs on another machine: GPU batches are shared within one machine only"
             )
-        if not local:
-            raise ProtocolError(
-                "consumer runs in another PID namespace (another container?), where CUDA IPC handles "
-                "cannot be opened: run it in the producer's container, or serve with device='cpu'"
-            )
+        if local:
+            return KIND
+        if self._mirror is None:
+            self._start_mirror()
+        log.warning(
+            "consumer %r (pid %s) runs in another PID namespace (another container?), where CUDA IPC "
+            "handles cannot be opened: it reads a host shared-memory copy of every batch",
+            hello["label"],
+            hello["pid"],
+        )
+        return MIRROR_KIND
+
+    def _start_mirror(self) -> None:
+        """Mirror every place to host shared memory from now on (under the producer's lock).
+        The mirror is visible to writes before the places are copied, so each place's bytes
+        are right whichever comes first: a write that waited before sees no mirror, but its
+        copy completed before this one's download is queued on the same stream; one that waits
+        after writes the mirror itself."""
+        from .shm import ShmStore
+
+        with self._mirror_lock:
+            mirror = self._mirror = ShmStore()
+            for place, allocation in self._arenas.items():
+                self._mirror_place(mirror, place, allocation)
+                self._dev.download(mirror.region(place)[: allocation.size], allocation.tensor, self._stream)
+
+    @staticmethod
+    def _mirror_place(mirror: ShmStore, place: int, allocation: Any) -> list[list[Any]]:
+        prepared = mirror.prepare(place, allocation.size)
+        return [] if prepared is None else mirror.install(prepared)
 
     def write(self, place: int, plan: layout.Plan) -> Receipt:
         """Queue one copy per leaf into the place on the producer's stream: host leaves
@@ -164,7 +208,7 @@ class CudaStore(Store):
         ]
         self._dev.copy(dst, pieces, self._stream)
         self._event.record(self._stream)
-        return _Write(self._dev, self._event, self._stream, dst[: plan.nbytes], plan.sources)
+        return _Write(self, place, plan)
 
     def close(self) -> None:
         self._closed = True
@@ -172,6 +216,9 @@ class CudaStore(Store):
             allocation.free()
         self._arenas.clear()
         self.bytes = 0
+        with self._mirror_lock:
+            if self._mirror is not None:
+                self._mirror.close()
 
 
 class _Use:
@@ -216,6 +263,7 @@ class CudaReader(Reader):
         self._retired: queue.SimpleQueue[tuple[Any, Callable[[], None]] | None] = queue.SimpleQueue()
         self._waiter: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._closed = False
 
     def announce(self, descriptor: list[Any]) -> None:
         _, place, handle, size, gpu = check_descriptor(descriptor, KIND, (bytes, int, str))
@@ -251,6 +299,8 @@ class CudaReader(Reader):
         token.stream = self.stream if self.stream is not None else self._dev.current_stream(self._source)
 
     def retire(self, token: _Use, then: Callable[[], None]) -> None:
+        if self._closed:  # the consumer left: nothing to release, and no CUDA work at exit
+            return
         if not _ordered("release"):
             then()
             return
@@ -273,7 +323,13 @@ class CudaReader(Reader):
         return _fingerprint(self._dev, token.mapping.tensor, nbytes, self._side)
 
     def close(self) -> None:
+        """Forget the arenas and stop the release waiter, waiting (boundedly) for it: a daemon
+        thread still inside a CUDA call when the interpreter exits aborts the process
+        ("terminate called without an active exception")."""
+        self._closed = True
         self._retired.put(None)
+        if self._waiter is not None:
+            self._waiter.join(timeout=_WAITER_JOIN_S)
         for mapping in self._maps.values():
             mapping.close()
         self._maps.clear()

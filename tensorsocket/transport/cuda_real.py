@@ -185,6 +185,10 @@ class RealBackend:
             for offset, src in pieces:
                 dst[offset : offset + src.shape[0]].copy_(src, non_blocking=True)
 
+    def download(self, dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        with torch.cuda.stream(stream):
+            dst.copy_(src)  # blocking: synchronizes the stream once the copy is queued
+
     def samples(self, region: torch.Tensor, stride: int, count: int, stream: torch.cuda.Stream) -> np.ndarray:
         buffer = getattr(self._local, "samples", None)
         if buffer is None or buffer.shape[0] < count:

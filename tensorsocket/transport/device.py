@@ -131,6 +131,10 @@ class DeviceBackend(Protocol):
         stream if a source is in device memory (the work that made it); returns at once. The
         caller keeps the sources alive until an event recorded after it has fired."""
 
+    def download(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> None:
+        """Copy the device tensor ``src`` into the host tensor ``dst`` (same shape) on
+        ``stream``, after the work queued there, and wait for it."""
+
     def samples(self, region: torch.Tensor, stride: int, count: int, stream: Stream) -> np.ndarray:
         """Bytes ``0, stride, ..., (count - 1) x stride`` of a flat uint8 device tensor, read
         on ``stream`` after the work queued there (a strided copy to the host, no kernel and

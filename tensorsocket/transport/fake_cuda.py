@@ -32,6 +32,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -272,16 +273,30 @@ class FakeBackend:
 
         stream.enqueue(run)
 
+    def download(self, dst: torch.Tensor, src: torch.Tensor, stream: FakeStream) -> None:
+        self._run_and_wait(stream, lambda: dst.copy_(src))
+
     def samples(self, region: torch.Tensor, stride: int, count: int, stream: FakeStream) -> np.ndarray:
-        out: list[np.ndarray] = []
+        return self._run_and_wait(
+            stream, lambda: region.numpy()[: max(count - 1, 0) * stride + 1 : stride][:count].copy()
+        )
+
+    @staticmethod
+    def _run_and_wait(stream: FakeStream, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on ``stream`` after the work queued there; wait for and return its result."""
+        out: list[Any] = []
         done = threading.Event()
 
-        def read() -> None:
-            out.append(region.numpy()[: max(count - 1, 0) * stride + 1 : stride][:count].copy())
-            done.set()
+        def run() -> None:
+            try:
+                out.append(fn())
+            finally:
+                done.set()
 
-        stream.enqueue(read)
+        stream.enqueue(run)
         _wait(done)
+        if not out:
+            raise RuntimeError("work queued on a fake CUDA stream failed (logged above)")
         return out[0]
 
     def wait_stream(self, stream: FakeStream, other: FakeStream) -> None:

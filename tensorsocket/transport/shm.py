@@ -165,11 +165,12 @@ class ShmStore(Store):
     def describe(self) -> list[list[Any]]:
         return [a.info.encode() for a in self._arenas.values()]
 
-    def admit(self, hello: dict[str, Any], local: bool) -> None:
+    def admit(self, hello: dict[str, Any], local: bool) -> str:
         if not local and hello["boot_id"] != boot_id():
             raise ProtocolError(
                 "consumer runs on another host; host shared memory needs consumers on the producer's machine"
             )
+        return self.kind
 
     def prepare(self, place: int, nbytes: int) -> _Arena | None:
         """A new, larger arena for ``place`` if it cannot hold ``nbytes`` (else None), not yet
@@ -186,7 +187,7 @@ class ShmStore(Store):
         name = f"{PREFIX}{os.getuid()}-{os.getpid()}-{self._token}-{place}-{self._generation}"
         return _Arena(ArenaInfo(place, name, size))
 
-    def install(self, prepared: _Arena) -> list[Any]:
+    def install(self, prepared: _Arena) -> list[list[Any]]:
         """Put a prepared arena in its place, unlinking the one it replaces; its descriptor."""
         if self._closed:
             prepared.close()
@@ -197,7 +198,11 @@ class ShmStore(Store):
             current.close()
         self._arenas[prepared.info.place] = prepared
         self.bytes += prepared.info.size
-        return prepared.info.encode()
+        return [prepared.info.encode()]
+
+    def region(self, place: int) -> torch.Tensor:
+        """``place``'s whole arena, flat uint8 (a GPU store fills its host mirror through it)."""
+        return self._arenas[place].tensor
 
     def write(self, place: int, plan: layout.Plan) -> Receipt:
         """Write a planned batch into ``place`` (already prepared); done when this returns."""
