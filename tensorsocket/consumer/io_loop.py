@@ -20,6 +20,7 @@ from .. import protocol
 from ..errors import Evicted, ProducerLost, ProtocolError, Refused
 from ..host import boot_id, pid_alive, pid_namespace, same_host
 from ..protocol import Kind
+from ..rebatch import batch_length
 from ..transport import Reader, open_reader
 from . import delivery
 from .shared import BATCH, END, EPOCH_END, SKIPPED, Settings, Shared
@@ -186,7 +187,9 @@ class ConsumerIo:
                 kind, msg = protocol.decode(frame, protocol.MAX_REPLY_BYTES)
                 if kind is Kind.BATCH:
                     batch, token, release = delivery.build(msg, self.reader, shared, self.settings.copy)
-                    shared.queue.put((BATCH, (batch, msg["epoch"], msg["index"], msg["seq"], token, release)))
+                    samples = batch_length(batch)  # counted here, off the training thread
+                    payload = (batch, msg["epoch"], msg["index"], msg["seq"], token, release, samples)
+                    shared.queue.put((BATCH, payload))
                 elif kind is Kind.SKIPPED:
                     shared.queue.put((SKIPPED, msg["count"]))
                 elif kind is Kind.ARENA:

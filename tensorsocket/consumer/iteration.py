@@ -46,6 +46,7 @@ class Batches:
         self.skipped = 0  # batches the producer moved this consumer past (stragglers="skip")
         self.skipped_epoch = 0
         self.first_batch = True
+        self.samples: int | None = None  # of the last batch next_batch() returned (the I/O thread counts)
 
     def start_epoch(self) -> None:
         """A new epoch: if the previous one's loop was left early, skip the rest of it (as a
@@ -65,12 +66,17 @@ class Batches:
         shared = self.shared
         t0 = shared.wait_started = time.monotonic()
         try:
-            batch = self.next_batch() if self.rebatcher is None else self._next_rebatched()
+            if self.rebatcher is None:
+                batch = self.next_batch()
+                samples = self.samples
+            else:
+                batch = self._next_rebatched()
+                samples = batch_length(batch)
         finally:
             shared.waiting += time.monotonic() - t0
             shared.wait_started = None
         shared.taken_batches += 1
-        shared.taken_samples += batch_length(batch) or 0
+        shared.taken_samples += samples or 0
         return batch
 
     def _next_rebatched(self) -> Any:
@@ -106,7 +112,7 @@ class Batches:
                 self.error = self.shared.evicted
                 raise self.error
             self.mid_epoch = True
-            batch, epoch, index, seq, token, release = payload
+            batch, epoch, index, seq, token, release, self.samples = payload
             # Counted as held from here (not when built): the hoarding check must not count a
             # batch the I/O thread is still building or queueing. A batch delivered as a copy
             # dropped its views in the I/O thread already: it holds nothing.
