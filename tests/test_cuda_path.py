@@ -282,6 +282,42 @@ def test_an_in_place_write_to_gpu_memory_is_reported(name, caplog):
     assert "changed in shared memory" in caplog.text
 
 
+def _hold_first_batch(name: str, results: Any) -> None:
+    """An innocent consumer: keeps batch 0 for the whole epoch and writes nothing."""
+    from tensorsocket import BatchModified
+
+    report: dict[str, Any] = {"error": None, "taken": 0}
+    with Consumer(name=name, device="cuda:0", label="innocent") as consumer:
+        kept = None
+        try:
+            for batch in consumer:
+                kept = batch if kept is None else kept
+                report["taken"] += 1
+        except BatchModified as exc:
+            report["error"] = str(exc)
+        del kept
+    results.put(report)
+
+
+def test_a_changed_gpu_batch_is_logged_with_every_consumer_that_held_it(name, caplog):
+    # GPU memory cannot be protected: both holders see the change, so the producer names both.
+    results = SPAWN.Queue()
+    procs = [SPAWN.Process(target=f, args=(name, results)) for f in (_modify_first_batch, _hold_first_batch)]
+    for proc in procs:
+        proc.start()
+    with caplog.at_level(logging.ERROR, logger="tensorsocket"):
+        Producer(NestedLoader(8, delay=0.02), name=name, device="cuda:0", slots=3, min_consumers=2).serve(
+            epochs=1
+        )
+    reports = [results.get(timeout=90) for _ in procs]
+    for proc in procs:
+        proc.join(timeout=30)
+    writer = procs[0].pid
+    assert any(r["error"] == "BatchModified" for r in reports), reports
+    line = next(r.getMessage() for r in caplog.records if "changed in shared memory" in r.getMessage())
+    assert f"(pid {writer})" in line and "'innocent'" in line and "any of which may have written it" in line
+
+
 def _serve_forever(name: str, ready: Any, env: dict[str, str]) -> None:
     os.environ.update(env)
     producer = Producer(NestedLoader(50, delay=0.05), name=name, device="cuda:0", slots=3, replay=0)

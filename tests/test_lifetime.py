@@ -1,9 +1,13 @@
-"""A batch lives as long as any view of it; in-place writes are caught; hoarding is an error."""
+"""A batch lives as long as any view of it; in-place writes fault in the writer (or, with
+check_writes=True, are caught); hoarding is an error."""
 
 from __future__ import annotations
 
 import gc
 import logging
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -11,7 +15,7 @@ import pytest
 import torch
 
 from tensorsocket import BatchModified, Consumer, Producer, TensorSocketError
-from tests.support import NestedLoader, expected_batch, same, wait_until
+from tests.support import NestedLoader, expected_batch, same, start_consumers, wait_until
 
 
 def serving(producer: Producer, epochs: int = 1) -> threading.Thread:
@@ -46,11 +50,43 @@ def test_slot_is_released_when_the_last_derived_view_dies(name):
         server.join(timeout=10)
 
 
-def test_in_place_write_raises_batch_modified_and_is_logged(name, caplog):
+WRITER = """\
+import sys
+from tensorsocket import Consumer
+with Consumer(name=sys.argv[1], label="writer") as consumer:
+    for index, batch in enumerate(consumer):
+        if index == 2:
+            batch[0].sub_(0.5)  # the mistake: normalising a shared batch in place
+        del batch
+"""
+
+
+def test_an_in_place_write_faults_in_the_writer_at_its_line_and_the_others_never_see_it(
+    name, tmp_path, caplog
+):
+    batches = 8
+    script = tmp_path / "writer.py"
+    script.write_text(WRITER)
+    writer = subprocess.Popen([sys.executable, str(script), name], stderr=subprocess.PIPE, text=True)
+    others, results = start_consumers(name, 2, 1, batches)
+    with caplog.at_level(logging.INFO, logger="tensorsocket"):
+        Producer(NestedLoader(batches), name=name, slots=3, replay=0, min_consumers=3).serve(epochs=1)
+    _, err = writer.communicate(timeout=60)
+    assert writer.returncode == -signal.SIGSEGV, err[-3000:]
+    assert "Segmentation fault" in err and f'File "{script}", line 6' in err, err[-3000:]
+    for report in [results.get(timeout=60) for _ in others]:
+        assert report["error"] is None and report["bad"] == [], report  # nothing changed, nothing said
+        assert report["seen"] == [(0, i) for i in range(batches)]
+    for p in others:
+        p.join(timeout=30)
+    assert "'writer'" in caplog.text and "died; evicted" in caplog.text
+
+
+def test_with_check_writes_an_in_place_write_raises_batch_modified_and_is_logged(name, caplog):
     producer = Producer(NestedLoader(8), name=name, slots=2, replay=0)
     server = serving(producer)
     try:
-        with Consumer(name=name, label="sloppy-trainer") as consumer:
+        with Consumer(name=name, label="sloppy-trainer", check_writes=True) as consumer:
             it = iter(consumer)
             batch = next(it)
             batch[0].sub_(0.5)  # the mistake: normalising a shared batch in place

@@ -220,18 +220,32 @@ def test_a_batch_written_in_one_process_reads_back_bit_identical_as_views(kind, 
     assert fingerprint is not None and reader.fingerprint(lease.token, encoded[2]) == fingerprint
 
 
-def test_the_fingerprint_catches_an_in_place_write_through_a_view(kind, writer, reader):
+def test_host_regions_are_read_only_unless_writes_are_checked(kind, writer):
+    descriptor, encoded, _ = writer.put(0, SMALL)
+    for check_writes in (False, True):
+        with open_reader(kind, writer.gpu, torch.device(DEVICE[kind]), check_writes=check_writes) as reader:
+            reader.announce(descriptor)
+            views, lease = read(reader, 0, encoded)
+            protected = kind == "shm" and not check_writes  # GPU memory cannot be protected
+            assert reader.checks_writes is not protected
+            if kind == "shm":
+                assert lease.owner.flags.writeable is not protected
+            del views, lease
+
+
+def test_the_fingerprint_catches_an_in_place_write_through_a_view(kind, writer):
     descriptor, encoded, fingerprint = writer.put(0, SMALL)
+    reader = open_reader(kind, writer.gpu, torch.device(DEVICE[kind]), check_writes=True)
     reader.announce(descriptor)
     views, lease = read(reader, 0, encoded)
-    if isinstance(lease.owner, np.ndarray) and not lease.owner.flags.writeable:
-        pytest.skip("regions are mapped read-only: the MMU, not the fingerprint, stops in-place writes")
     assert reader.fingerprint(lease.token, encoded[2]) == fingerprint
     views[0].add_(1)  # what a consumer normalising in place does to everyone's batch
     if kind == "cuda" and REAL:
         torch.cuda.synchronize()
     assert reader.fingerprint(lease.token, encoded[2]) != fingerprint
     assert not same(views[0], sample(SMALL)[0])
+    del views, lease
+    reader.close()
 
 
 def test_a_grown_arena_is_announced_and_earlier_views_stay_valid(kind, writer, reader):

@@ -4,6 +4,7 @@ producer within ``timeout``) and hands iteration to :class:`~.iteration.Batches`
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import queue
@@ -49,6 +50,14 @@ class Consumer:
     ``stream`` (GPU batches only): the CUDA stream your work on the batches is queued on,
     when it is not the current stream at ``next()``; a batch's memory is released to the
     producer only after the work queued there before its last view died has run.
+
+    Batches in host shared memory are mapped read-only: an in-place op on one (``x.sub_(m)``,
+    ``x /= 255``) stops this process with a segmentation fault whose traceback (printed by
+    :mod:`faulthandler`, enabled here unless the application did) names the line, and no
+    other consumer ever sees a changed byte. Use out-of-place ops or ``copy=True``.
+    ``check_writes=True`` maps them writable instead and checks each batch's sampled
+    fingerprint when it is released (:class:`BatchModified` at the next ``next()``), as is
+    always done for batches in GPU memory, which cannot be protected.
     """
 
     def __init__(
@@ -65,6 +74,7 @@ class Consumer:
         late_join: str = "replay",
         label: str | None = None,
         stream: Any = None,
+        check_writes: bool = False,
     ) -> None:
         self._closed = True  # until the I/O thread joined: nothing to close, no warning
         if not isinstance(timeout, (int, float)) or not 0.05 <= timeout <= 86400:
@@ -73,6 +83,8 @@ class Consumer:
             raise ValueError(f"prefetch must be a positive int or None, got {prefetch!r}")
         if not isinstance(copy, bool):
             raise ValueError(f"copy must be True or False, got {copy!r}")
+        if not isinstance(check_writes, bool):
+            raise ValueError(f"check_writes must be True or False, got {check_writes!r}")
         try:
             self.late_join = LateJoin(late_join)
         except ValueError:
@@ -104,6 +116,7 @@ class Consumer:
             self.device,
             stream,
             copy,
+            check_writes,
         )
         shared = self._shared = Shared()
         outcome: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -122,6 +135,10 @@ class Consumer:
             raise joined
         welcome, reader, self._conn = joined  # _conn: the I/O thread's state (white-box tests read it)
         self._reader: Reader = reader
+        if not reader.checks_writes and not faulthandler.is_enabled():
+            # A write to a read-only batch is a segmentation fault: let it print the Python
+            # traceback of the line that wrote, not just "Segmentation fault".
+            faulthandler.enable()
         self.batches_per_epoch: int | None = welcome["batches"]
         self.samples_per_epoch: int | None = welcome["samples"]
         self.slots: int = welcome["slots"]

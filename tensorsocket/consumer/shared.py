@@ -44,6 +44,7 @@ class Settings:
     device: Any
     stream: Any
     copy: bool
+    check_writes: bool = False
 
 
 @dataclass

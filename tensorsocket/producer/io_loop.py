@@ -168,16 +168,24 @@ class IoLoop:
             peer.stats.append((now, msg["taken_batches"], msg["taken_samples"], float(msg["waiting"])))
         elif kind is Kind.MODIFIED:
             log.error(
-                "%s reports batch %d (epoch %d, index %d) changed in shared memory while it held it: "
-                "an in-place op on a shared batch corrupts every consumer's data; use copy=True "
-                "or out-of-place ops",
+                "%s reports batch %d (epoch %d, index %d) changed in shared memory while it held it; "
+                "held by %s, any of which may have written it: an in-place op on a shared batch "
+                "corrupts every consumer's data; use copy=True or out-of-place ops",
                 peer.describe(),
                 msg["seq"],
                 msg["epoch"],
                 msg["index"],
+                self._holders_of(cid, msg["seq"]),
             )
         elif kind is not Kind.HEARTBEAT:
             raise ProtocolError(f"a consumer may not send {kind.value} messages")
+
+    def _holders_of(self, cid: bytes, seq: int) -> str:
+        """Who holds batch ``seq`` besides ``cid`` (which reports it): their descriptions."""
+        shared = self.shared
+        place = shared.flow.consumers[cid].held.get(seq)
+        holders = shared.flow.holders(place) if place is not None else frozenset((cid,))
+        return ", ".join(sorted(shared.peers[h].describe() for h in holders if h in shared.peers))
 
     def _hello(self, cid: bytes, msg: dict[str, Any], now: float) -> None:
         shared, config = self.shared, self.shared.config

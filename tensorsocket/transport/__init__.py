@@ -43,10 +43,14 @@ def open_store(device: Any) -> Store:
     return ShmStore()
 
 
-def open_reader(kind: str, gpu: str | None, device: torch.device, stream: Any = None) -> Reader:
-    """The consumer's reader for the transport the producer's WELCOME names."""
+def open_reader(
+    kind: str, gpu: str | None, device: torch.device, stream: Any = None, check_writes: bool = False
+) -> Reader:
+    """The consumer's reader for the transport the producer's WELCOME names. Host shared
+    memory is mapped read-only unless ``check_writes`` (then writable, and checked by
+    fingerprint); GPU memory cannot be protected and is always checked."""
     if kind == "shm":
-        return ShmReader(device)
+        return ShmReader(device, writable=check_writes)
     from .cuda import CudaReader
 
     return CudaReader(gpu, device, stream)

@@ -116,6 +116,9 @@ class Reader(abc.ABC):
     #: "views" when batches are handed out as views of the shared memory, "copy" when they
     #: are copied to the consumer's device (another GPU, or the host from a GPU)
     delivery: str
+    #: whether a batch's fingerprint is checked when it is released: False where the memory
+    #: is mapped read-only, so that a write faults in the writer instead
+    checks_writes: bool = True
 
     @abc.abstractmethod
     def announce(self, descriptor: list[Any]) -> None:

@@ -19,6 +19,8 @@ import mmap
 import os
 import re
 import secrets
+import threading
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -90,8 +92,10 @@ def sweep_stale() -> list[str]:
     return removed
 
 
-def _map(path: str, size: int, create: bool) -> mmap.mmap:
-    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+def _map(path: str, size: int, create: bool, writable: bool = True) -> mmap.mmap:
+    """Map a segment shared; ``writable=False`` maps it read-only (``PROT_READ``), so a write
+    through any view of it faults in the writer instead of changing everyone's batch."""
+    flags = (os.O_RDWR if writable else os.O_RDONLY) | (os.O_CREAT | os.O_EXCL if create else 0)
     fd = os.open(path, flags, 0o600)
     try:
         if create:
@@ -109,7 +113,7 @@ def _map(path: str, size: int, create: bool) -> mmap.mmap:
         # MAP_POPULATE: take the page faults now, once, instead of on the first write (in the
         # producer) or the first read (in a training step); for 64 MiB that is ~100 ms.
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        return mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+        return mmap.mmap(fd, size, flags, mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
     finally:
         os.close(fd)
 
@@ -232,9 +236,14 @@ class ShmReader(Reader):
 
     kind = KIND
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, writable: bool = False) -> None:
         self.device = device
         self.delivery = "views" if device.type == "cpu" else "copy"
+        # Read-only by default: a consumer never needs to write a producer's arena, and the MMU
+        # then stops an in-place op in the process that does it, at its line (a segmentation
+        # fault, with faulthandler's traceback), before any other consumer sees a changed byte.
+        # Writable mappings (Consumer(check_writes=True)) rely on the fingerprint instead.
+        self.writable = self.checks_writes = writable
         self._infos: dict[int, ArenaInfo] = {}
         self._maps: dict[int, mmap.mmap] = {}
 
@@ -251,7 +260,7 @@ class ShmReader(Reader):
         region = self.region(place, nbytes)
         # The token is the mapping, not the region: the release check reads the very memory
         # this batch lived in without keeping the region (and so the finalizer) from firing.
-        return Lease(torch.from_numpy(region), region, region.base)
+        return Lease(_tensor_over(region), region, region.base)
 
     def region(self, place: int, nbytes: int) -> np.ndarray:
         info = self._infos[place]
@@ -259,7 +268,7 @@ class ShmReader(Reader):
             raise ValueError(f"region of {nbytes} bytes does not fit arena {info.name} ({info.size})")
         mm = self._maps.get(place)
         if mm is None:
-            mm = self._maps[place] = open_segment(info.name, info.size)
+            mm = self._maps[place] = open_segment(info.name, info.size, self.writable)
         return np.frombuffer(mm, dtype=np.uint8, count=nbytes)
 
     def deliver(self, views: Any, copy: bool) -> Any:
@@ -279,8 +288,27 @@ class ShmReader(Reader):
         self._infos.clear()
 
 
-def open_segment(name: str, size: int) -> mmap.mmap:
+def open_segment(name: str, size: int, writable: bool = True) -> mmap.mmap:
     """Map another process's segment; a hostile producer must not make us map another file."""
     if not _SEGMENT_NAME.fullmatch(name) or ".." in name:
         raise ValueError(f"arena name {name!r:.80} is not a {PREFIX}* segment in {SHM_DIR}")
-    return _map(os.path.join(SHM_DIR, name), size, create=False)
+    return _map(os.path.join(SHM_DIR, name), size, create=False, writable=writable)
+
+
+_quiet = threading.Lock()
+_warned = False
+
+
+def _tensor_over(region: np.ndarray) -> torch.Tensor:
+    """``torch.from_numpy(region)``. Over a read-only region torch warns once per process that
+    the array is not writable (``TORCH_WARN_ONCE``): that is the point here, so the one warning
+    is swallowed, at the first region."""
+    global _warned
+    if _warned or region.flags.writeable:
+        return torch.from_numpy(region)
+    with _quiet:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            tensor = torch.from_numpy(region)
+        _warned = True
+    return tensor
