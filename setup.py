@@ -23,6 +23,13 @@ setup(
     extras_require={
         "gpu": ["cupy-cuda12x>=13", "nvidia-ml-py>=12"],
         "bench": ["matplotlib>=3.7"],
-        "dev": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.100", "ruff>=0.5", "psutil>=5.9"],
+        "dev": [
+            "pytest>=8",
+            "pytest-timeout>=2.2",
+            "hypothesis>=6.100",
+            "ruff>=0.5",
+            "psutil>=5.9",
+            "lightning>=2.2",  # a real client in the tests (tests/test_clients.py)
+        ],
     },
 )

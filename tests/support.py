@@ -276,3 +276,15 @@ def serving(producer: Any, epochs: int | None) -> Iterator[tuple[threading.Threa
     finally:
         producer.close()
         thread.join(timeout=30)
+
+
+def permissions(address: int) -> str | None:
+    """The permissions of this process's mapping that holds ``address``, as /proc/self/maps
+    shows them ("r--s": read-only, shared), or None if no mapping holds it."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            span, perms = line.split()[:2]
+            start, end = (int(v, 16) for v in span.split("-"))
+            if start <= address < end:
+                return perms
+    return None
