@@ -3,9 +3,12 @@ ones are not, and consumers map only tensorsocket segments."""
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -83,3 +86,100 @@ def test_consumer_maps_only_tensorsocket_segments(name):
 def test_consumer_decodes_shm_descriptors_strictly(descriptor):
     with pytest.raises(ProtocolError):
         ShmReader(torch.device("cpu")).announce(descriptor)
+
+
+# ------------------------------------------------------------- a /dev/shm of a container's size
+
+FIT = """\
+import json, logging, sys
+import torch
+from tensorsocket import Consumer, Producer
+from tests.support import SPAWN
+
+MIB = 1 << 20
+
+
+def consume(name, out):
+    try:
+        with Consumer(name=name, timeout=30) as consumer:
+            out.put({"sums": [int(x.sum()) for x, in consumer]})
+    except Exception as exc:
+        out.put({"error": f"{type(exc).__name__}: {exc}"})
+
+
+if __name__ == "__main__":
+    name, slots, replay = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    logging.basicConfig(level=logging.WARNING, format="LOG %(message)s", stream=sys.stdout)
+    batches = [(torch.full((16 * MIB,), i, dtype=torch.uint8),) for i in range(6)]
+    out = SPAWN.Queue()
+    consumer = SPAWN.Process(target=consume, args=(name, out))
+    consumer.start()
+    report = {}
+    try:
+        Producer(batches, name=name, slots=slots, replay=replay).serve(epochs=1)
+    except OSError as exc:
+        report["producer_error"] = f"{exc.errno}: {exc.strerror}"
+    report["consumer"] = out.get(timeout=60)
+    consumer.join(timeout=30)
+    print("REPORT " + json.dumps(report), flush=True)
+"""
+
+
+def _small_shm_works() -> bool:
+    probe = ["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=64m tmpfs /dev/shm"]
+    try:
+        return subprocess.run(probe, capture_output=True, timeout=30).returncode == 0
+    except FileNotFoundError:
+        return False
+
+
+def _in_a_64_mib_dev_shm(tmp_path: Any, name: str, slots: int, replay: int) -> tuple[dict[str, Any], str]:
+    """Run FIT (a producer and a consumer of six 16 MiB batches) in a mount namespace whose
+    /dev/shm is a 64 MiB tmpfs, as Docker gives a container by default."""
+    script = tmp_path / "fit.py"
+    script.write_text(FIT)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    inner = 'mount -t tmpfs -o size=64m tmpfs /dev/shm && exec "$@"'
+    command = [
+        "unshare",
+        "-m",
+        "sh",
+        "-c",
+        inner,
+        "sh",
+        sys.executable,
+        str(script),
+        name,
+        str(slots),
+        str(replay),
+    ]
+    done = subprocess.run(
+        command, cwd=root, env=os.environ | {"PYTHONPATH": root}, capture_output=True, text=True, timeout=120
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("REPORT ")]
+    assert lines, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return json.loads(lines[-1][len("REPORT ") :]), done.stdout
+
+
+needs_mount = pytest.mark.skipif(
+    not _small_shm_works(), reason="mounting a private tmpfs needs root (CI runs as root)"
+)
+
+
+@needs_mount
+def test_slots_that_do_not_fit_the_shared_memory_are_refused_at_the_first_batch(tmp_path, name):
+    report, _ = _in_a_64_mib_dev_shm(tmp_path, name, slots=8, replay=0)
+    error = report["producer_error"]
+    assert error.startswith(f"{errno.ENOSPC}:"), report
+    assert "8 x 16.0 MiB = 128 MiB" in error and "/dev/shm has 64 MiB free" in error, error
+    assert "slots=" in error and "--shm-size" in error, error
+    assert "16777216 bytes" in error and "at most 3 fit" in error, error
+    assert "ProducerLost" in report["consumer"]["error"], report  # told why, not left waiting
+
+
+@needs_mount
+def test_a_replay_budget_that_does_not_fit_is_cut_and_the_run_goes_on(tmp_path, name):
+    report, out = _in_a_64_mib_dev_shm(tmp_path, name, slots=2, replay=1 << 30)
+    assert "producer_error" not in report, report
+    assert report["consumer"] == {"sums": [i * (16 << 20) for i in range(6)]}, report
+    assert "replay buffer cut from 6 to 1 batches: /dev/shm has 64 MiB free" in out, out

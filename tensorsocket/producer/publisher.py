@@ -7,6 +7,7 @@ is alive, so no wait here outlives the producer.
 
 from __future__ import annotations
 
+import errno
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -20,6 +21,7 @@ from .shared import Shared
 
 log = logging.getLogger("tensorsocket")
 
+MIB = 1 << 20
 _MAX_REPLAY_BATCHES = 4096  # each place is an arena every consumer maps: bound their number
 
 
@@ -133,10 +135,37 @@ class Publisher:
         places = min(config.replay // max(nbytes, 1), _MAX_REPLAY_BATCHES)
         if config.batches_per_epoch is not None:
             places = min(places, config.batches_per_epoch)  # one whole epoch is all a joiner needs
+        places = self._fit(nbytes, places)
         with shared.changed:
             shared.flow.add_places(places)
             shared.replay_places = places
         log.info("replay buffer: %d batches of %d bytes (budget %d bytes)", places, nbytes, config.replay)
+
+    def _fit(self, nbytes: int, replay_places: int) -> int:
+        """The replay places that fit in the store's memory beside the window (the window's
+        places are made as the first batches are written): fewer than asked, saying so; and
+        if the window itself does not fit, refuse now, with the numbers and the remedies."""
+        room = self.shared.store.room(nbytes)
+        if room is None:
+            return replay_places
+        fits, size, free, where = room.fits, room.arena_bytes, room.free_bytes, room.where
+        window = self.shared.config.slots
+        if fits < window:
+            raise OSError(
+                errno.ENOSPC,
+                f"batches of {nbytes} bytes need {window} x {size / MIB:.1f} MiB = {window * size / MIB:.0f} MiB "
+                f"of shared memory for slots={window}, but {where} has {free / MIB:.0f} MiB free: lower "
+                f"slots= (at most {max(fits, 0)} fit), make batches smaller, or give the container more "
+                "shared memory (docker run --shm-size=..., Kubernetes: an emptyDir with medium: Memory)",
+            )
+        if replay_places > fits - window:
+            log.warning(
+                "replay buffer cut from %d to %d batches: %s has %.0f MiB free and the %d slots take %.0f MiB "
+                "(replay= sets the budget; --shm-size gives a container more)",
+                replay_places, fits - window, where, free / MIB, window, window * size / MIB,
+            )  # fmt: skip
+            replay_places = fits - window
+        return replay_places
 
     def start_epoch(self, source: Any) -> None:
         if self.epoch_open:  # the previous epoch's loop was left early: end it where it is

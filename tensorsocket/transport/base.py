@@ -61,6 +61,16 @@ class Lease:
     token: Any
 
 
+@dataclass(frozen=True)
+class Room:
+    """Arenas of one size that fit in the memory a store allocates from."""
+
+    fits: int  # how many
+    arena_bytes: int  # what one takes
+    free_bytes: int  # what is free
+    where: str  # the memory, as a user knows it ("/dev/shm")
+
+
 class Store(abc.ABC):
     """Producer side: the places batches are written into. Every method but :meth:`write`
     is called under the producer's lock or from its I/O thread; :meth:`write` and
@@ -101,6 +111,11 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Free every arena; idempotent."""
+
+    def room(self, nbytes: int) -> Room | None:
+        """How many arenas for ``nbytes`` fit in the memory still free, or None where the
+        transport knows no such limit."""
+        return None
 
     def __enter__(self) -> Store:
         return self

@@ -19,6 +19,7 @@ import mmap
 import os
 import re
 import secrets
+import shutil
 import threading
 import warnings
 from collections.abc import Callable
@@ -31,7 +32,7 @@ import torch
 from .. import layout
 from ..errors import ProtocolError
 from ..host import boot_id, pid_alive
-from .base import Lease, Reader, Receipt, Store, check_descriptor, grown_size
+from .base import Lease, Reader, Receipt, Room, Store, check_descriptor, grown_size
 
 log = logging.getLogger("tensorsocket")
 
@@ -203,6 +204,16 @@ class ShmStore(Store):
         self._arenas[prepared.info.place] = prepared
         self.bytes += prepared.info.size
         return [prepared.info.encode()]
+
+    def room(self, nbytes: int) -> Room | None:
+        """How many more arenas for ``nbytes`` fit in /dev/shm now (a container's is often
+        64 MiB: better to know at the first batch than to hit ENOSPC a few batches later)."""
+        try:
+            free = shutil.disk_usage(SHM_DIR).free
+        except OSError:
+            return None
+        size = (grown_size(None, nbytes) + _PAGE - 1) // _PAGE * _PAGE
+        return Room(free // size, size, free, SHM_DIR)
 
     def region(self, place: int) -> torch.Tensor:
         """``place``'s whole arena, flat uint8 (a GPU store fills its host mirror through it)."""
