@@ -149,18 +149,19 @@ class Publisher:
         if room is None:
             return replay_places
         fits, size, free, where = room.fits, room.arena_bytes, room.free_bytes, room.where
-        window = self.shared.config.slots
+        slots = self.shared.config.slots
+        window = self.shared.flow.place_count  # the window's places, replay not added yet
         if fits < window:
             raise OSError(
                 errno.ENOSPC,
                 f"batches of {nbytes} bytes need {window} x {size / MIB:.1f} MiB = {window * size / MIB:.0f} MiB "
-                f"of shared memory for slots={window}, but {where} has {free / MIB:.0f} MiB free: lower "
-                f"slots= (at most {max(fits, 0)} fit), make batches smaller, or give the container more "
+                f"of shared memory for slots={slots}, but {where} has {free / MIB:.0f} MiB free: lower "
+                f"slots= (at most {fits * slots // window} fit), make batches smaller, or give the container more "
                 "shared memory (docker run --shm-size=..., Kubernetes: an emptyDir with medium: Memory)",
             )
         if replay_places > fits - window:
             log.warning(
-                "replay buffer cut from %d to %d batches: %s has %.0f MiB free and the %d slots take %.0f MiB "
+                "replay buffer cut from %d to %d batches: %s has %.0f MiB free and the window's %d places take %.0f MiB "
                 "(replay= sets the budget; --shm-size gives a container more)",
                 replay_places, fits - window, where, free / MIB, window, window * size / MIB,
             )  # fmt: skip
