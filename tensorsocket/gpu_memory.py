@@ -56,6 +56,18 @@ def _handle(uuid: str) -> Any:
     return _handles[uuid]
 
 
+def bytes_by_pid(nvml: Any, handle: Any) -> dict[int, int]:
+    """The GPU memory of each process with a CUDA context on the GPU of NVML ``handle``, in
+    bytes by pid; a process NVML lists without a figure (``usedGpuMemory`` None) is left out.
+    NVML errors propagate."""
+    by_pid: dict[int, int] = {}
+    for proc in nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+        memory = getattr(proc, "usedGpuMemory", None)
+        if isinstance(memory, int):
+            by_pid[int(proc.pid)] = by_pid.get(int(proc.pid), 0) + memory
+    return by_pid
+
+
 def process_mib(gpu: str | None) -> dict[int, float] | None:
     """The GPU memory, in MiB, of each process with a CUDA context on the GPU whose UUID is
     ``gpu`` (``GPU-...``), by pid as NVML reports it (the pids of this PID namespace where it
@@ -73,12 +85,7 @@ def process_mib(gpu: str | None) -> dict[int, float] | None:
             recent = _recent.get(gpu)
             if recent is not None and now - recent[0] < MAX_AGE:
                 return dict(recent[1])
-            by_pid: dict[int, int] = {}
-            for proc in _nvml.nvmlDeviceGetComputeRunningProcesses(handle):
-                memory = getattr(proc, "usedGpuMemory", None)
-                if isinstance(memory, int):
-                    by_pid[int(proc.pid)] = by_pid.get(int(proc.pid), 0) + memory
-            used = {pid: round(memory / MIB, 1) for pid, memory in by_pid.items()}
+            used = {pid: round(memory / MIB, 1) for pid, memory in bytes_by_pid(_nvml, handle).items()}
             _recent[gpu] = (now, used)
             return dict(used)
     except Exception:

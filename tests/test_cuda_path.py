@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -162,21 +163,29 @@ def _synchronize_current() -> None:
     event.synchronize()
 
 
-def _consume_with_queued_reads(name: str, batches: int, results: Any) -> None:
-    """Queue a delayed read of each batch's image, drop the batch at once, check the reads."""
+def _batches_past_modified(consumer: Consumer) -> Iterator[Any]:
+    """One epoch of ``consumer``'s batches, and None in place of each BatchModified (raised
+    once, at the next() after the release check that found the change); the epoch goes on."""
     from tensorsocket import BatchModified
 
+    it = iter(consumer)
+    while True:
+        try:
+            yield next(it)
+        except StopIteration:
+            return
+        except BatchModified:
+            yield None
+
+
+def _consume_with_queued_reads(name: str, batches: int, results: Any) -> None:
+    """Queue a delayed read of each batch's image, drop the batch at once, check the reads."""
     report: dict[str, Any] = {"bad": [], "error": None, "modified": False}
     try:
         with Consumer(name=name, device="cuda:0") as consumer:
             reads: list[torch.Tensor] = []
-            it = iter(consumer)
-            while True:
-                try:
-                    batch = next(it)
-                except StopIteration:
-                    break
-                except BatchModified:  # its bytes changed while it was held: also a failure
+            for batch in _batches_past_modified(consumer):
+                if batch is None:  # its bytes changed while it was held: also a failure
                     report["modified"] = True
                     continue
                 _read_later(batch[0], reads)
@@ -251,17 +260,10 @@ def test_grown_arenas_are_reopened_once_each(name):
 
 
 def _modify_first_batch(name: str, results: Any) -> None:
-    from tensorsocket import BatchModified
-
     report: dict[str, Any] = {"error": None, "taken": 0}
     with Consumer(name=name, device="cuda:0") as consumer:
-        it = iter(consumer)
-        while True:
-            try:
-                batch = next(it)
-            except StopIteration:
-                break
-            except BatchModified:  # raised once, at the next() after the release check
+        for batch in _batches_past_modified(consumer):
+            if batch is None:
                 report["error"] = "BatchModified"
                 continue
             if report["taken"] == 0:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..gpu_memory import bytes_by_pid
 from .common import fmt_bytes
 
 
@@ -30,10 +31,8 @@ def gpu_usage() -> tuple[list[str], dict[int, int]]:
                 f"utilisation {util.gpu}%"
             )
             try:
-                for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-                    used = getattr(proc, "usedGpuMemory", None)
-                    if isinstance(used, int):  # None where the driver does not tell
-                        by_pid[proc.pid] = by_pid.get(proc.pid, 0) + used
+                for pid, used in bytes_by_pid(pynvml, handle).items():
+                    by_pid[pid] = by_pid.get(pid, 0) + used  # the same process on several GPUs
             except Exception:
                 pass
     except Exception:

@@ -29,7 +29,6 @@ from ..flow import Action, Deliver, Flow, Skipped
 from ..protocol import Kind
 from ..status import ConsumerStatus, ProducerStatus, Report, rates
 from ..transport import Store
-from ..transport.device import fake_requested
 from ..wakeup import Wakeup
 
 
@@ -112,9 +111,9 @@ class Shared:
         """A snapshot of consumers, places and timings (lock held)."""
         now = time.monotonic()
         config, flow = self.config, self.flow
-        # GPU memory by pid on the producer's GPU (None: not known; never raises, cached)
-        on_gpu = self.store.kind == "cuda" and not fake_requested()
-        gpu_mib = gpu_memory.process_mib(self.store.gpu) if on_gpu else None
+        # GPU memory by pid on the producer's GPU (None: host memory, or not known, as for the
+        # CPU stand-in's GPUs, which NVML does not know; never raises, cached)
+        gpu_mib = gpu_memory.process_mib(self.store.gpu)
         consumers: list[ConsumerStatus] = []
         for cid, peer in self.peers.items():
             state = flow.consumers[cid]

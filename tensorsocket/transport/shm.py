@@ -93,6 +93,12 @@ def sweep_stale() -> list[str]:
     return removed
 
 
+def _arena_size(current: int | None, nbytes: int) -> int:
+    """The bytes of a new arena for ``nbytes`` replacing one of ``current`` bytes (or none):
+    the shared growth rule, in whole pages."""
+    return (grown_size(current, nbytes) + _PAGE - 1) // _PAGE * _PAGE
+
+
 def _map(path: str, size: int, create: bool, writable: bool = True) -> mmap.mmap:
     """Map a segment shared; ``writable=False`` maps it read-only (``PROT_READ``), so a write
     through any view of it faults in the writer instead of changing everyone's batch."""
@@ -186,8 +192,7 @@ class ShmStore(Store):
         current = self._arenas.get(place)
         if current is not None and current.info.size >= nbytes:
             return None
-        size = grown_size(current.info.size if current else None, nbytes)
-        size = (size + _PAGE - 1) // _PAGE * _PAGE
+        size = _arena_size(current.info.size if current else None, nbytes)
         self._generation += 1
         name = f"{PREFIX}{os.getuid()}-{os.getpid()}-{self._token}-{place}-{self._generation}"
         return _Arena(ArenaInfo(place, name, size))
@@ -212,7 +217,7 @@ class ShmStore(Store):
             free = shutil.disk_usage(SHM_DIR).free
         except OSError:
             return None
-        size = (grown_size(None, nbytes) + _PAGE - 1) // _PAGE * _PAGE
+        size = _arena_size(None, nbytes)
         return Room(free // size, size, free, SHM_DIR)
 
     def region(self, place: int) -> torch.Tensor:
