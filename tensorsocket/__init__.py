@@ -10,6 +10,7 @@ from .errors import (
     Closed,
     Evicted,
     GpuPathError,
+    GroupBroken,
     Hoarding,
     IoThreadDied,
     ProducerLost,
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from .compat import TensorConsumer, TensorProducer
     from .consumer import Consumer
     from .producer import Producer
+    from .sharding import node_sampler
 
 __version__ = "0.1.0"
 
@@ -31,6 +33,7 @@ __all__ = [
     "Consumer",
     "Evicted",
     "GpuPathError",
+    "GroupBroken",
     "Hoarding",
     "IoThreadDied",
     "ProducerLost",
@@ -40,6 +43,7 @@ __all__ = [
     "TensorConsumer",
     "TensorProducer",
     "TensorSocketError",
+    "node_sampler",
 ]
 
 # Imported on first use (PEP 562): `tensorsocket --help` and `tensorsocket status` then
@@ -49,6 +53,7 @@ _LAZY = {
     "Producer": "producer",
     "TensorConsumer": "compat",
     "TensorProducer": "compat",
+    "node_sampler": "sharding",
 }
 
 

@@ -56,6 +56,15 @@ class Refused(TensorSocketError):
     (another transport, another machine, a protocol mismatch)."""
 
 
+class GroupBroken(TensorSocketError):
+    """Another member of this consumer's group (a rank of the same distributed job) left or
+    died: the group's shares can no longer be equal, so nothing more is sent to it.
+
+    Raised at the next ``next()`` (after the epoch end, if the lost rank had finished that
+    epoch). A job restarted as a whole (torchrun's elastic restart) joins again as a new group.
+    """
+
+
 class IoThreadDied(TensorSocketError):
     """A side's background I/O thread stopped on an unexpected error (logged with its
     traceback); the producer or consumer can no longer send or receive."""

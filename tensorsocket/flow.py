@@ -32,7 +32,12 @@ batch of the epoch is still resident (the others wait for it), else at the next 
 ``next_epoch`` waits for the boundary; ``now`` starts at the oldest batch from which the
 stream is resident without a gap (its first epoch is partial).
 
-Invariants (checked by :meth:`Flow.check`):
+Groups (:mod:`tensorsocket.flow_groups` has their rules): the members of a group are
+consumers whose cursors pass over the batches that are not theirs; a member is sent its
+batch once its round is decided. A group starts complete, as a unit; a member leaving breaks
+it, and the others are sent nothing more (they stay, holding what they hold, until they go).
+
+Invariants (checked by :func:`check_invariants`):
 
 * every place is FREE (never written), FILLING (reserved by the producer, no holders) or
   PUBLISHED (holds batch ``seq``; its holders are exactly the consumers holding ``seq``);
@@ -51,6 +56,10 @@ from dataclasses import dataclass, field
 from enum import Enum, IntEnum
 from typing import Any
 
+from .flow_groups import Forming, Group, GroupBroken, Membership, Tail, share
+
+__all__ = ["GroupBroken", "Membership", "Tail"]  # group rules, in flow_groups
+
 
 class EntryKind(Enum):
     BATCH = "batch"
@@ -68,12 +77,15 @@ class LateJoin(str, Enum):
 
 @dataclass(frozen=True)
 class Entry:
-    """One position of the stream; ``payload`` is opaque here (the encoded message)."""
+    """One position of the stream; ``payload`` is opaque here (the encoded message).
+    ``epoch`` and ``index`` (a batch's position in its epoch) are derived from the stream."""
 
     seq: int
     kind: EntryKind
     place: int | None
     payload: Any
+    epoch: int = field(default=0, compare=False)
+    index: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True)
@@ -93,7 +105,7 @@ class Skipped:
     count: int
 
 
-Action = Deliver | Skipped
+Action = Deliver | Skipped | GroupBroken
 
 
 class PlaceState(IntEnum):
@@ -124,6 +136,17 @@ class ConsumerState:
     skipped: int = 0  # batches jumped over (policy skip)
     finished: bool = False  # END was sent
     catching_up: bool = False  # joined further behind than the limit allows, not yet caught up
+    group: Group | None = None
+    rank: int = 0
+    last_sent: Entry | None = None  # the last entry sent to it
+    # group members: the seq after which it is sent nothing more (its group broke), or None
+    cut_after: int | None = None
+    broken: bool = False  # its group broke: sent nothing more, no cursor
+
+    @property
+    def forming(self) -> bool:
+        """A member of a group that has not started (not all of its ranks joined yet)."""
+        return self.group is not None and not self.group.started
 
 
 def _checked_places(window: Any, places: Any, max_lag: Any) -> int:
@@ -162,6 +185,9 @@ class Flow:
         self.published = 0  # batches
         self.epoch = 0  # the epoch being published
         self._epoch_start = 0  # seq of the current epoch's first entry
+        self._epoch_index = 0  # batches published in the current epoch
+        self._epoch_batches: dict[int, int] = {}  # epoch -> its batches, once it ended (groups)
+        self._forming = Forming()
         # True while no batch of the current epoch has been overwritten, i.e. while a
         # joiner can still be sent the whole epoch from its first batch.
         self._replay_open = True
@@ -188,41 +214,124 @@ class Flow:
         """Published batches still in a place (in flight or kept for replay)."""
         return sum(s.state is PlaceState.PUBLISHED for s in self._places)
 
+    def serving(self) -> int:
+        """Consumers the stream is for: not waiting for the rest of their group, not cut off."""
+        return sum(not (c.forming or c.broken) for c in self.consumers.values())
+
+    def groups(self) -> list[Group]:
+        """Every group with a member here (forming, started or broken), oldest first."""
+        seen: dict[int, Group] = {}
+        for state in self.consumers.values():
+            if state.group is not None:
+                seen.setdefault(id(state.group), state.group)
+        return list(seen.values())
+
     # ------------------------------------------------------------------ membership
 
-    def join(self, cid: Hashable, prefetch: int, policy: LateJoin = LateJoin.REPLAY) -> list[Action]:
-        """Add a consumer; ``prefetch`` is capped at the window."""
+    def join(
+        self,
+        cid: Hashable,
+        prefetch: int,
+        policy: LateJoin = LateJoin.REPLAY,
+        member: Membership | None = None,
+    ) -> list[Action]:
+        """Add a consumer; ``prefetch`` is capped at the window. A ``member`` of a group
+        starts with the group, once all its ranks joined; ValueError naming a conflict with
+        the members already here (its rank taken, another size, tail or policy)."""
         if cid in self.consumers:
             raise ValueError(f"consumer {cid!r} already joined")
         if type(prefetch) is not int or prefetch < 1:
             raise ValueError(f"prefetch must be a positive int, got {prefetch!r}")
         policy = LateJoin(policy)
-        cursor: int | None
+        if member is not None:
+            return self._join_group(cid, min(prefetch, self.window), policy, member)
+        self.consumers[cid] = ConsumerState(
+            prefetch=min(prefetch, self.window), cursor=self._start(policy), policy=policy
+        )
+        return self._begin([cid])
+
+    def _start(self, policy: LateJoin) -> int | None:
+        """Where a consumer joining now starts (None: at the next epoch boundary)."""
         if self.ended:
-            cursor = self.next_seq - 1  # the END entry, always kept
-        elif self.next_seq == self._epoch_start:
-            cursor = self.next_seq  # at a boundary: everyone starts with the next epoch
-        elif policy is LateJoin.REPLAY:
-            cursor = self._epoch_start if self._replay_open else None
-        elif policy is LateJoin.NOW:
-            cursor = self._oldest_replayable()
-        else:
-            cursor = None
-        state = ConsumerState(prefetch=min(prefetch, self.window), cursor=cursor, policy=policy)
-        self.consumers[cid] = state
-        out = self._deliver(cid, state)
-        state.catching_up = not self._within_limit(state, self._leader_lag())
+            return self.next_seq - 1  # the END entry, always kept
+        if self.next_seq == self._epoch_start:
+            return self.next_seq  # at a boundary: everyone starts with the next epoch
+        if policy is LateJoin.REPLAY:
+            return self._epoch_start if self._replay_open else None
+        if policy is LateJoin.NOW:
+            return self._oldest_replayable()
+        return None
+
+    def _begin(self, cids: list[Hashable]) -> list[Action]:
+        """Send newly started consumers what they may take; a joiner further behind than the
+        limit is catching up (the others wait for it)."""
+        out: list[Action] = []
+        for cid in cids:
+            out.extend(self._deliver(cid, self.consumers[cid]))
+        leader = self._leader_lag()
+        for cid in cids:
+            state = self.consumers[cid]
+            state.catching_up = not self._within_limit(state, leader)
         return out + self._settle()
 
-    def leave(self, cid: Hashable) -> None:
-        """A consumer left or was evicted: drop it and everything it held. Idempotent."""
+    def _join_group(self, cid: Hashable, prefetch: int, policy: LateJoin, member: Membership) -> list[Action]:
+        group = self._forming.add(cid, member, policy.value, self.window, self.max_lag is None)
+        end = self.next_seq - 1 if self.ended else None  # the stream ended: it gets END, nothing to wait for
+        self.consumers[cid] = ConsumerState(prefetch, end, policy, group=group, rank=member.rank)
+        if group.started and not self.ended:  # complete: all start together (after END each is sent END)
+            self.add_places(self._forming.more_places(self.groups()))
+            cursor = self._start(policy)
+            members = [group.members[r] for r in range(group.size)]
+            for m in members:
+                self.consumers[m].cursor = cursor
+            return self._begin(members)
+        return self._deliver(cid, self.consumers[cid])
+
+    def leave(self, cid: Hashable) -> list[Action]:
+        """A consumer left or was evicted: drop it and everything it held. Idempotent. If it
+        was a member of a started group, the group breaks: its other members are sent
+        :class:`GroupBroken` (at once, or after their share of the epoch it finished)."""
         state = self.consumers.pop(cid, None)
         if state is None:
-            return
+            return []
         for place in state.held.values():
             self._places[place].holders.discard(cid)
+        out = self._break_group(cid, state) if state.group is not None else []
         self._trim()
-        self._settle()  # (no actions: the leader leaving only shortens the others' distance)
+        return (
+            out + self._settle()
+        )  # (no other actions: the leader leaving only shortens the others' distance)
+
+    def _break_group(self, cid: Hashable, state: ConsumerState) -> list[Action]:
+        group = state.group
+        assert group is not None
+        if not group.started:  # forming: just one rank fewer
+            self._forming.forget(group, state.rank, cid)
+            return []
+        if group.lost is not None or state.finished or state.broken:
+            return []  # broken already, or it was sent everything
+        group.lost = (state.rank, cid)
+        last = state.last_sent
+        # Sent its whole share of an epoch and nothing after: the others may finish theirs.
+        boundary = last.seq if last is not None and last.kind is EntryKind.EPOCH_END else None
+        out: list[Action] = []
+        for other_cid in group.members.values():
+            other = self.consumers.get(other_cid)
+            if other is None or other is state or other.finished or other.broken:
+                continue
+            if boundary is not None and (other.last_sent is None or other.last_sent.seq <= boundary):
+                other.cut_after = boundary
+                out.extend(self._deliver(other_cid, other))
+            else:
+                out.extend(self._cut(other_cid, other, at_once=True))
+        return out
+
+    def _cut(self, cid: Hashable, state: ConsumerState, at_once: bool = False) -> list[Action]:
+        """``cid``'s group broke: it is sent nothing more and no longer paces the producer."""
+        group = state.group
+        assert group is not None and group.lost is not None
+        state.broken, state.cursor, state.catching_up = True, None, False
+        return [GroupBroken(cid, group.name, group.lost[0], group.lost[1], at_once)]
 
     def release(self, cid: Hashable, seqs: Iterable[int]) -> list[Action]:
         """A consumer is done with these batches. Unknown or repeated seqs are ignored."""
@@ -302,20 +411,24 @@ class Flow:
 
     def end_epoch(self, payload: Any) -> list[Action]:
         """Append an EPOCH_END marker; consumers waiting for a boundary start after it."""
+        self._epoch_batches[self.epoch] = self._epoch_index  # decides the groups' last round
         out = self._append(EntryKind.EPOCH_END, None, payload)
         self.epoch += 1
         self._epoch_start = self.next_seq
+        self._epoch_index = 0
         self._replay_open = True
         for state in self.consumers.values():
-            if state.cursor is None:
+            if state.cursor is None and not (state.forming or state.broken):
                 state.cursor = self.next_seq
         return out + self._settle()  # the waiters are the leaders now
 
     def end_stream(self, payload: Any) -> list[Action]:
         """Append END; every consumer, including waiting ones, is sent it after its batches."""
         end_seq = self.next_seq
+        if self._epoch_index:  # ended mid-epoch: its last round is decided by what was published
+            self._epoch_batches[self.epoch] = self._epoch_index
         for state in self.consumers.values():
-            if state.cursor is None:
+            if state.cursor is None and not state.broken:  # a forming group will never start
                 state.cursor = end_seq
         out = self._append(EntryKind.END, None, payload)
         self.ended = True
@@ -326,12 +439,14 @@ class Flow:
     def _append(self, kind: EntryKind, place: int | None, payload: Any) -> list[Action]:
         if self.ended:
             raise RuntimeError("the stream has ended; nothing more can be published")
-        entry = Entry(self.next_seq, kind, place, payload)
+        index = self._epoch_index if kind is EntryKind.BATCH else 0
+        entry = Entry(self.next_seq, kind, place, payload, self.epoch, index)
         self._log[entry.seq] = entry
         self._before[entry.seq] = self.published
         self.next_seq += 1
         if kind is EntryKind.BATCH:
             self.published += 1
+            self._epoch_index += 1
         out: list[Action] = []
         for cid, state in self.consumers.items():
             out.extend(self._deliver(cid, state))
@@ -342,8 +457,19 @@ class Flow:
     def _deliver(self, cid: Hashable, state: ConsumerState) -> list[Action]:
         out: list[Action] = []
         while state.cursor is not None and state.cursor < self.next_seq:
+            if state.cut_after is not None and state.cursor > state.cut_after:
+                break
             entry = self._log[state.cursor]
             if entry.kind is EntryKind.BATCH:
+                if state.group is not None:
+                    g = state.group
+                    total = self._epoch_batches.get(entry.epoch)  # None: its epoch is being published
+                    mine = share(state.rank, g.size, g.tail, entry.index, total, self._epoch_index)
+                    if mine is None:
+                        break  # its round is not decided yet
+                    if not mine:
+                        state.cursor += 1
+                        continue
                 if len(state.held) >= state.prefetch:
                     break
                 state.held[entry.seq] = entry.place  # type: ignore[assignment]
@@ -352,7 +478,10 @@ class Flow:
             elif entry.kind is EntryKind.END:
                 state.finished = True
             out.append(Deliver(cid, entry))
+            state.last_sent = entry
             state.cursor += 1
+        if state.cut_after is not None and state.cursor is not None and state.cursor > state.cut_after:
+            out.extend(self._cut(cid, state))
         return out
 
     def _settle(self) -> list[Action]:
@@ -441,6 +570,10 @@ class Flow:
                 break
             del self._log[seq]
             del self._before[seq]
+        if len(self._epoch_batches) > 1 and self._log:  # only epochs with entries in the log are asked about
+            oldest = next(iter(self._log.values())).epoch
+            for epoch in [e for e in self._epoch_batches if e < oldest]:
+                del self._epoch_batches[epoch]
 
 
 def check_invariants(flow: Flow) -> None:
@@ -453,7 +586,7 @@ def check_invariants(flow: Flow) -> None:
     for cid, c in flow.consumers.items():
         for seq, place in c.held.items():
             assert flow._places[place].seq == seq and cid in flow._places[place].holders
-            assert c.cursor is not None and seq < c.cursor
+            assert c.broken or (c.cursor is not None and seq < c.cursor)
         assert len(c.held) <= c.prefetch <= flow.window
         if c.cursor is not None:
             for seq in range(c.cursor, flow.next_seq):

@@ -16,7 +16,7 @@ import msgpack
 
 from .errors import ProtocolError
 
-VERSION = 3
+VERSION = 4
 #: Largest frame a consumer may send; the producer also sets ZMQ_MAXMSGSIZE to this.
 MAX_REQUEST_BYTES = 64 * 1024
 #: Largest frame a producer may send (a BATCH whose layout has very many leaves).
@@ -28,13 +28,16 @@ _MAX_INT = 2**63 - 1
 LATE_JOIN = ("replay", "next_epoch", "now")
 #: Where batches live: host shared memory or GPU memory shared by CUDA IPC.
 TRANSPORTS = ("shm", "cuda")
+#: What a group does with an epoch's short last round (tensorsocket.flow.Tail values).
+TAILS = ("pad", "drop")
 
 
 class Kind(str, Enum):
     """Message kinds. Consumer to producer: HELLO, RELEASE, HEARTBEAT, STATS, BYE, MODIFIED,
     STATUS. Producer to consumer: WELCOME, ARENA, BATCH, SKIPPED, EPOCH_END, END, HEARTBEAT,
-    EVICTED, ERROR, STATUS. END carries a reason when the producer stopped on an error;
-    SKIPPED says how many batches a straggler was moved past, where the gap is."""
+    EVICTED, ERROR, STATUS, GROUP_BROKEN. END carries a reason when the producer stopped on an
+    error; SKIPPED says how many batches a straggler was moved past, where the gap is;
+    GROUP_BROKEN that another member of this consumer's group left (nothing more comes)."""
 
     HELLO = "hello"
     WELCOME = "welcome"
@@ -51,6 +54,7 @@ class Kind(str, Enum):
     STATUS = "status"
     EVICTED = "evicted"
     ERROR = "error"
+    GROUP_BROKEN = "group_broken"
 
 
 def _int(lo: int = 0, hi: int = _MAX_INT) -> Callable[[Any], bool]:
@@ -72,6 +76,19 @@ def _opt(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
 def _ints(max_len: int) -> Callable[[Any], bool]:
     one = _int()
     return lambda v: type(v) is list and len(v) <= max_len and all(one(x) for x in v)
+
+
+def _group(v: Any) -> bool:
+    # [name, rank, world size, tail]; the flow checks rank < size and the members agree.
+    return (
+        type(v) is list
+        and len(v) == 4
+        and _str(128)(v[0])
+        and len(v[0]) > 0
+        and _int(0, 1 << 16)(v[1])
+        and _int(1, 1 << 16)(v[2])
+        and v[3] in TAILS
+    )
 
 
 def _any(v: Any) -> bool:
@@ -97,6 +114,7 @@ SCHEMA: dict[Kind, dict[str, Callable[[Any], bool]]] = {
         "late_join": lambda v: v in LATE_JOIN,
         "batch_size": _opt(_int(1, 1 << 31)),
         "device": _str(64),
+        "group": _opt(_group),
     },
     Kind.WELCOME: {
         "pid": _int(1, (1 << 31) - 1),
@@ -130,6 +148,7 @@ SCHEMA: dict[Kind, dict[str, Callable[[Any], bool]]] = {
     Kind.STATUS: {"status": _opt(lambda v: type(v) is dict)},
     Kind.EVICTED: {"reason": _str(4096)},
     Kind.ERROR: {"reason": _str(4096)},
+    Kind.GROUP_BROKEN: {"reason": _str(4096), "at_once": lambda v: type(v) is bool},
 }
 
 

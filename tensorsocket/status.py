@@ -49,6 +49,20 @@ class ConsumerStatus(ConsumerRates):
     # CUDA context of its own included); None unless the transport is "cuda" and
     # nvidia-ml-py works, or when NVML lists no figure for its pid (not using that GPU)
     gpu_mib: float | None
+    group: str | None  # the group it is a member of (None: it sees the whole stream)
+    rank: int | None  # its rank in that group
+
+
+class GroupStatus(TypedDict):
+    """One group of consumers splitting the stream (the ranks of a distributed job)."""
+
+    name: str
+    size: int  # its world size
+    tail: str  # "pad" or "drop": what its ranks get of an epoch's short last round
+    state: str  # "forming" (waiting for ranks), "running", or "broken" (a rank left)
+    ranks: list[int]  # the ranks connected
+    received: list[int]  # batches sent to each of those ranks: their shares so far
+    lag: int  # the largest lag of its ranks (published batches not yet sent)
 
 
 class ProducerStatus(TypedDict):
@@ -76,6 +90,7 @@ class ProducerStatus(TypedDict):
     batches_per_epoch: int | None  # None: the loader has no len()
     samples_per_epoch: int | None
     consumers: list[ConsumerStatus]
+    groups: list[GroupStatus]
     published: int
     loader_wait: float  # seconds in next(loader)
     slot_wait: float  # seconds waiting for the slowest consumer to free a slot

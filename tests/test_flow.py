@@ -305,7 +305,7 @@ class FlowMachine(RuleBasedStateMachine):
     def leave(self, cid: str) -> None:
         assert self.flow is not None
         self.consumers.pop(cid, None)
-        assert self.flow.leave(cid) is None  # idempotent, also for unknown consumers
+        assert self.flow.leave(cid) == []  # idempotent, also for unknown consumers
         self._update_catching_up()  # the leader may have left
         self._check_lags()
 

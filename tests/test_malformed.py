@@ -49,6 +49,7 @@ def hello(**override: Any) -> dict[str, Any]:
         "late_join": "replay",
         "batch_size": None,
         "device": "cpu",
+        "group": None,
     }
     fields.update(override)
     return fields

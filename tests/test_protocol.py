@@ -57,6 +57,8 @@ VALID: dict[str, Any] = {
     "taken_batches": 12,
     "taken_samples": 384,
     "waiting": 1.25,
+    "group": ["job-a", 1, 4, "pad"],
+    "at_once": True,
 }
 EDGES: dict[str, list[Any]] = {
     "version": [protocol.VERSION],  # any other is refused: test_other_protocol_versions_are_refused
@@ -90,6 +92,8 @@ EDGES: dict[str, list[Any]] = {
     "taken_batches": [0, 2**63 - 1],
     "taken_samples": [0, 2**63 - 1],
     "waiting": [0, 0.0, 1e12],
+    "group": [None, ["j" * 128, 0, 1, "drop"], ["é", 1 << 16, 1 << 16, "pad"]],
+    "at_once": [False, True],
 }
 # Values no kind may accept for that field: wrong type, bool for int, out of range, too long.
 BAD: dict[str, list[Any]] = {
@@ -138,6 +142,21 @@ BAD: dict[str, list[Any]] = {
     "taken_batches": [-1, None, True, 1.5],
     "taken_samples": [-1, None, False, "3"],
     "waiting": [-0.5, None, float("nan"), float("inf"), True, "1"],
+    "group": [
+        "job",
+        [],
+        ["job", 0, 2],
+        ["", 0, 2, "pad"],
+        ["j" * 129, 0, 2, "pad"],
+        ["job", -1, 2, "pad"],
+        ["job", 0, 0, "pad"],
+        ["job", True, 2, "pad"],
+        ["job", 0, 2.0, "pad"],
+        ["job", 0, 2, "even"],
+        ["job", 0, 2, "pad", 1],
+        {"name": "job"},
+    ],
+    "at_once": [None, 0, 1, "yes"],
 }
 
 

@@ -36,6 +36,7 @@ def consumer(label: str, **fields: Any) -> ConsumerStatus:
         "joined_s_ago": 75.0, "cursor": 17, "lag": 0, "catching_up": False, "held": 1,
         "received": 16, "skipped": 0, "batches": 16, "samples": 512, "waiting_s": 1.0,
         "samples_per_s": 250.0, "batches_per_s": 7.8, "waiting_share": 0.5, "gpu_mib": None,
+        "group": None, "rank": None,
     }  # fmt: skip
     return {**base, **fields}  # type: ignore[typeddict-item]
 
@@ -48,7 +49,7 @@ def producer(**fields: Any) -> ProducerStatus:
         "max_lag": None, "epoch": 1, "next_seq": 20, "ended": False, "batches_per_epoch": 16,
         "samples_per_epoch": 512, "published": 18, "loader_wait": 6.0, "slot_wait": 1.0,
         "publish_time": 1.5, "bad_messages": 0,
-        "consumers": [consumer("a", lag=1, held=2), consumer("b", held=0)],
+        "consumers": [consumer("a", lag=1, held=2), consumer("b", held=0)], "groups": [],
     }  # fmt: skip
     return {**base, **fields}  # type: ignore[typeddict-item]
 

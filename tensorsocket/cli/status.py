@@ -121,6 +121,8 @@ def _row(c: ConsumerStatus, gpu_by_pid: dict[int, int] | None) -> list[str]:
     """One consumer's cells; with ``gpu_by_pid``, its GPU memory column too."""
     cursor = c["cursor"]
     note = []
+    if c.get("group") is not None:  # .get: a producer of an earlier version does not send it
+        note.append(f"rank {c['rank']} of {c['group']}")
     if cursor is None:
         note.append("waits for the next epoch")
     if c["catching_up"]:
@@ -192,6 +194,23 @@ def format_status(
     header = ["consumer", "pid", "device", "batch", "joined", "cursor", "lag", "held", "received"]
     header += ["skipped", "samples/s", "waiting"] + (["gpu mem"] if with_gpu else []) + ["note"]
     lines += _table(header, [_row(c, gpu_by_pid if with_gpu else None) for c in consumers])
+    groups = s.get("groups") or []
+    if groups:
+        lines.append("")
+        header = ["group", "size", "state", "ranks", "shares", "lag", "tail"]
+        rows = [
+            [
+                g["name"],
+                str(g["size"]),
+                g["state"],
+                ",".join(map(str, g["ranks"])) or "-",
+                ",".join(map(str, g["received"])) or "-",
+                str(g["lag"]),
+                g["tail"],
+            ]
+            for g in groups
+        ]
+        lines += _table(header, rows)
     return "\n".join(lines)
 
 

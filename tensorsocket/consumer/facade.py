@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .. import endpoint as endpoints
+from .. import protocol
 from ..errors import Closed, ProducerLost
 from ..flow import LateJoin
 from ..rebatch import Rebatcher, batches_per_epoch
@@ -58,6 +59,15 @@ class Consumer:
     ``check_writes=True`` maps them writable instead and checks each batch's sampled
     fingerprint when it is released (:class:`BatchModified` at the next ``next()``), as is
     always done for batches in GPU memory, which cannot be protected.
+
+    ``group`` makes this consumer rank ``rank`` of ``world_size`` consumers that split the
+    stream, as the ranks of one DDP job each take their share (defaults: torchrun's
+    ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``; the producer serves one node). Batch ``i`` of
+    an epoch goes to rank ``i % world_size``; every rank gets the same number of batches per
+    epoch, so all-reduces line up: ``group_tail="pad"`` sends the short last round again to
+    the ranks it lacks (as DistributedSampler pads), ``"drop"`` drops it. Consumers of other
+    groups, or of none, see the whole stream. The group starts when all its ranks joined; if
+    one leaves or dies, the others raise :class:`GroupBroken`.
     """
 
     def __init__(
@@ -75,6 +85,10 @@ class Consumer:
         label: str | None = None,
         stream: Any = None,
         check_writes: bool = False,
+        group: str | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        group_tail: str = "pad",
     ) -> None:
         self._closed = True  # until the I/O thread joined: nothing to close, no warning
         if not isinstance(timeout, (int, float)) or not 0.05 <= timeout <= 86400:
@@ -90,6 +104,8 @@ class Consumer:
         except ValueError:
             choices = ", ".join(repr(p.value) for p in LateJoin)
             raise ValueError(f"late_join must be one of {choices}, got {late_join!r}") from None
+        membership = _membership(group, rank, world_size, group_tail, self.late_join, batch_size)
+        self.group, self.rank, self.world_size, self.group_tail = membership or (None, None, None, group_tail)
         self.batch_size = batch_size
         self.drop_last = drop_last
         # Validates batch_size and drop_last; None: batches as the producer cut them.
@@ -117,6 +133,7 @@ class Consumer:
             stream,
             copy,
             check_writes,
+            membership,
         )
         shared = self._shared = Shared()
         outcome: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -156,6 +173,10 @@ class Consumer:
         if self.batch_size is None:
             if self.batches_per_epoch is None:
                 raise TypeError("the producer's loader has no len()")
+            if self.world_size is not None:  # this rank's share
+                if self.group_tail == "drop":
+                    return self.batches_per_epoch // self.world_size
+                return -(-self.batches_per_epoch // self.world_size)
             return self.batches_per_epoch
         if self.samples_per_epoch is None:
             raise TypeError(
@@ -218,3 +239,56 @@ class Consumer:
     def _check_open(self) -> None:
         if self._closed:
             raise Closed(f"consumer of {self.endpoint} is closed")
+
+
+def _membership(
+    group: Any, rank: Any, world_size: Any, tail: Any, late_join: LateJoin, batch_size: Any
+) -> tuple[str, int, int, str] | None:
+    """(group, rank, world size, tail) for a group member, None for a consumer that sees the
+    whole stream; ValueError naming a bad or missing argument."""
+    if group is None:
+        if rank is not None or world_size is not None:
+            raise ValueError("rank and world_size place a consumer in a group: pass group='...' too")
+        if tail != "pad":
+            raise ValueError("group_tail applies to a group member: pass group='...' too")
+        return None
+    if not isinstance(group, str) or not 1 <= len(group) <= 128:
+        raise ValueError(f"group must be a name of 1 to 128 characters, got {group!r}")
+    rank = _from_env(group, "rank", rank, "LOCAL_RANK")
+    world_size = _from_env(group, "world_size", world_size, "LOCAL_WORLD_SIZE")
+    if not 1 <= world_size <= 1 << 16:
+        raise ValueError(f"group {group!r}: world_size must be from 1 to 65536, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(
+            f"group {group!r}: rank must be from 0 to world_size - 1 = {world_size - 1}, got {rank}"
+        )
+    if tail not in protocol.TAILS:
+        raise ValueError(f"group_tail must be 'pad' or 'drop', got {tail!r}")
+    if late_join is LateJoin.NOW:
+        raise ValueError(
+            f"group {group!r}: a group starts at an epoch's first batch; use late_join='replay' or 'next_epoch'"
+        )
+    if batch_size is not None:
+        raise ValueError(
+            f"group {group!r}: a group member takes the producer's batches whole (a re-cut could give "
+            "its ranks unequal batch counts); set the batch size in the producer's loader"
+        )
+    return group, rank, world_size, tail
+
+
+def _from_env(group: str, what: str, value: Any, variable: str) -> int:
+    """An int argument, or when None the environment variable torchrun sets for it."""
+    if value is None:
+        text = os.environ.get(variable)
+        if text is None:
+            raise ValueError(
+                f"group {group!r}: {what} is not given and {variable} is not set; launch with "
+                f"torchrun (which sets it) or pass {what}=..."
+            )
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"group {group!r}: {variable}={text!r} is not an int") from None
+    if type(value) is not int:
+        raise ValueError(f"group {group!r}: {what} must be an int, got {value!r}")
+    return value

@@ -17,7 +17,7 @@ import zmq
 
 from .. import endpoint as endpoints
 from .. import protocol
-from ..errors import Evicted, ProducerLost, ProtocolError, Refused
+from ..errors import Evicted, GroupBroken, ProducerLost, ProtocolError, Refused
 from ..host import boot_id, pid_alive, pid_namespace, same_host
 from ..protocol import Kind
 from ..rebatch import batch_length
@@ -81,6 +81,7 @@ def _handshake(socket: zmq.Socket, settings: Settings) -> dict[str, Any]:
             late_join=settings.late_join,
             batch_size=settings.batch_size,
             device=str(settings.device),
+            group=None if settings.group is None else list(settings.group),
         )
     )
     if not socket.poll(int(settings.timeout * 1000)):
@@ -217,11 +218,19 @@ class ConsumerIo:
                 elif kind is Kind.EVICTED:
                     # Mid-stream (after END the branch above applies): our queued batches'
                     # places get reused, so never yield them.
-                    shared.evicted = Evicted(
+                    shared.cut_off = Evicted(
                         f"the producer at {self.endpoint} evicted this consumer: {msg['reason']}"
                     )
-                    shared.fail(shared.evicted)
+                    shared.fail(shared.cut_off)
                     return False
+                elif kind is Kind.GROUP_BROKEN:
+                    # What we hold stays ours until released (the producer keeps protecting it),
+                    # so this thread goes on releasing; nothing more comes.
+                    broken = GroupBroken(f"the producer at {self.endpoint} reports: {msg['reason']}")
+                    log.error("%s", broken)
+                    if msg["at_once"]:  # mid-epoch: the batches still queued are no use to DDP
+                        shared.cut_off = broken
+                    shared.fail(broken)
                 elif kind is Kind.ERROR:
                     log.error("the producer at %s reports: %s", self.endpoint, msg["reason"])
                 elif kind is Kind.STATUS:

@@ -108,8 +108,8 @@ class Batches:
             kind, payload = self._take()
         if kind == BATCH:
             self._catch_up_after_freeze()
-            if self.shared.evicted is not None:  # evicted while this batch waited in the queue
-                self.error = self.shared.evicted
+            if self.shared.cut_off is not None:  # evicted (or its group broke) while this batch was queued
+                self.error = self.shared.cut_off
                 raise self.error
             self.mid_epoch = True
             batch, epoch, index, seq, token, release, self.samples = payload
@@ -121,7 +121,7 @@ class Batches:
                 self.reader.handed_out(token)
             if self.first_batch:
                 self.first_batch = False
-                if index:
+                if index >= (1 if self.settings.group is None else self.settings.group[2]):
                     log.warning(
                         "consumer %r joined epoch %d at its batch %d (late_join=%r): this first epoch is partial",
                         self.settings.label,

@@ -9,7 +9,7 @@ one writer (or a thread-safe container), as listed here.
   hand-out; finalizers discard, in any thread (set.add / discard / len are atomic under the GIL).
 * ``violations`` (deque): the I/O thread appends a message when a batch changed while held;
   the caller's thread pops it and raises BatchModified.
-* ``evicted``, ``stream_over``, ``io_tick``: the I/O thread only; the caller's thread reads.
+* ``cut_off``, ``stream_over``, ``io_tick``: the I/O thread only; the caller's thread reads.
 * ``synced`` (Event): the I/O thread clears it after a freeze and sets it at the answer.
 * ``taken_batches``, ``taken_samples``, ``waiting``, ``wait_started``: the caller's thread
   only; the I/O thread reads them for its STATS reports.
@@ -45,6 +45,7 @@ class Settings:
     stream: Any
     copy: bool
     check_writes: bool = False
+    group: tuple[str, int, int, str] | None = None  # (name, rank, world size, tail)
 
 
 @dataclass
@@ -58,7 +59,8 @@ class Shared:
     wakeup: Wakeup = field(default_factory=Wakeup)
     stop: threading.Event = field(default_factory=threading.Event)
     synced: threading.Event = field(default_factory=threading.Event)
-    evicted: Exception | None = None
+    # Evicted, or a GroupBroken mid-epoch: raised instead of yielding any batch still queued
+    cut_off: Exception | None = None
     stream_over: bool = False  # END or an error arrived: the producer may now go away
     io_tick: float = field(default_factory=time.monotonic)  # when the I/O thread's poll last returned
     taken_batches: int = 0

@@ -41,9 +41,12 @@ class Producer:
     """Share every batch of ``loader`` with the consumers that connect to ``name``.
 
     ``loader`` is any re-iterable of batches (a DataLoader, a list) or a function returning
-    an iterable (a generator function), called once per epoch. ``device`` is where batches
-    live while consumers read them: host shared memory ("cpu") or GPU memory shared by CUDA
-    IPC ("cuda:N"). The producer runs at most ``slots`` batches ahead of the slowest consumer
+    an iterable (a generator function), called once per epoch. At each epoch's start the
+    producer calls ``set_epoch(epoch)`` on the loader, its sampler, batch sampler and dataset
+    (each that has one, once), as a training loop would, so a ``DistributedSampler`` or any
+    epoch-seeded order changes from epoch to epoch. ``device`` is where batches live while
+    consumers read them: host shared memory ("cpu") or GPU memory shared by CUDA IPC
+    ("cuda:N"). The producer runs at most ``slots`` batches ahead of the slowest consumer
     (``stragglers="stall"``, exact), or moves a consumer lagging more than ``max_lag``
     batches ahead and tells it what it skipped (``"skip"``). Beyond the window it keeps up
     to ``replay`` bytes of already-consumed batches, so late joiners can be sent the current
@@ -133,9 +136,10 @@ class Producer:
         return self.batches_per_epoch
 
     def __iter__(self) -> _EpochPublisher:
-        """Start an epoch: yields the loader's batches after publishing each one."""
+        """Start an epoch (calling the loader's ``set_epoch`` hooks): yields the loader's
+        batches after publishing each one."""
         self._check_open()
-        self._publisher.start_epoch(self.loader if isinstance(self.loader, Iterable) else self.loader())
+        self._publisher.start_epoch(self.loader)
         return _EpochPublisher(self._publisher)
 
     def serve(self, epochs: int | None = 1) -> None:

@@ -20,7 +20,7 @@ import zmq
 
 from .. import protocol
 from ..errors import ProtocolError
-from ..flow import LateJoin
+from ..flow import LateJoin, Membership, Tail
 from ..host import boot_id, pid_alive, pid_namespace, same_host
 from ..protocol import Kind
 from .shared import Peer, Shared
@@ -197,6 +197,16 @@ class IoLoop:
             msg["label"], msg["pid"], float(msg["timeout"]), local, now, now, msg["device"], msg["batch_size"],
             transport=transport,
         )  # fmt: skip
+        member = None
+        if msg["group"] is not None:
+            group, rank, size, tail = msg["group"]
+            member = Membership(group, rank, size, Tail(tail))
+        try:
+            actions = shared.flow.join(cid, msg["prefetch"], LateJoin(msg["late_join"]), member)
+        except ValueError as exc:  # a group member that conflicts with the others
+            log.warning("refused %s: %s", peer.describe(), exc)
+            shared.outbox.append((cid, protocol.encode(Kind.ERROR, reason=str(exc))))
+            return
         shared.peers[cid] = peer
         if shared.first_join is None:
             shared.first_join = now
@@ -214,19 +224,26 @@ class IoLoop:
             heartbeat=_heartbeat_interval(peer),
         )
         shared.outbox.append((cid, welcome))
-        shared.send_all(shared.flow.join(cid, msg["prefetch"], LateJoin(msg["late_join"])))
+        shared.send_all(actions)
         state = shared.flow.consumers[cid]
-        where = (
-            "waits for the next epoch"
-            if state.cursor is None
-            else f"starts {shared.flow.lag(cid)} batches behind"
-        )
+        if state.forming:
+            assert state.group is not None
+            where = f"waits for the rest of group {state.group.name!r} ({len(state.group.members)} of {state.group.size} ranks joined)"
+        elif state.cursor is None:
+            where = "waits for the next epoch"
+        else:
+            where = f"starts {shared.flow.lag(cid)} batches behind"
+        if state.group is not None:
+            where = f"is rank {state.rank} of group {state.group.name!r}; it {where}"
         log.info("%s joined (%d connected); it %s", peer.describe(), len(shared.peers), where)
 
     def _drop(self, cid: Hashable, why: str) -> None:
         shared = self.shared
         peer = shared.peers.pop(cid, None)
-        shared.flow.leave(cid)
+        state = shared.flow.consumers.get(cid)
+        if peer is not None and state is not None and state.group is not None:
+            shared.departed[cid] = f"{peer.describe()} {why}"  # named in its group's GROUP_BROKEN
+        shared.send_all(shared.flow.leave(cid))
         if peer is not None:
             log.info("%s %s (%d connected)", peer.describe(), why, len(shared.peers))
 

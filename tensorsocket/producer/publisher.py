@@ -10,10 +10,10 @@ from __future__ import annotations
 import errno
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from .. import layout, protocol
+from .. import layout, protocol, sharding
 from ..errors import Closed, IoThreadDied
 from ..protocol import Kind
 from .io_loop import TICK, IoLoop
@@ -43,7 +43,7 @@ class Publisher:
         shared = self.shared
         endpoint = shared.config.endpoint
         if self.started:
-            self.wait(lambda: len(shared.peers) >= 1, None, "a consumer to join")
+            self.wait(lambda: shared.flow.serving() >= 1, None, "a consumer to join")
         else:
             self.wait(self._may_start, None, f"{self.min_consumers} consumer(s) to join")
         t0 = time.perf_counter()
@@ -120,11 +120,12 @@ class Publisher:
     def _may_start(self) -> bool:
         """Before the first batch: enough consumers, or the grace period is over (lock held)."""
         shared = self.shared
-        if len(shared.peers) >= self.min_consumers:
+        serving = shared.flow.serving()  # a group counts once all its ranks joined
+        if serving >= self.min_consumers:
             return True
         return (
             self.grace is not None
-            and bool(shared.peers)
+            and serving > 0
             and shared.first_join is not None
             and time.monotonic() - shared.first_join >= self.grace
         )
@@ -168,10 +169,15 @@ class Publisher:
             replay_places = fits - window
         return replay_places
 
-    def start_epoch(self, source: Any) -> None:
+    def start_epoch(self, loader: Any) -> None:
+        """Open the next epoch of ``loader`` (an iterable, or a function returning one): tell
+        its epoch-seeded parts the epoch, as a training loop would, then iterate it."""
         if self.epoch_open:  # the previous epoch's loop was left early: end it where it is
             self.end_epoch()
-        self.loader_iter = iter(source)
+        with self.shared.changed:
+            epoch = self.shared.flow.epoch  # the epoch its batches and EPOCH_END will carry
+        sharding.set_epoch(loader, epoch)  # before iter(): a DataLoader draws its order there
+        self.loader_iter = iter(loader if isinstance(loader, Iterable) else loader())
         self.epoch_open = True
         self.index = 0
 

@@ -10,7 +10,7 @@ is read and written under ``changed`` (a Condition over one lock), except where 
   own rule: only the caller's thread writes) and installs them under it; the I/O thread reads
   its descriptors and admits consumers under it; close() closes it under it.
 * ``stats``: the caller's thread adds its timings; the I/O thread counts bad messages.
-* ``first_join``: the I/O thread; ``replay_places``: the caller's thread.
+* ``first_join``, ``departed``: the I/O thread; ``replay_places``: the caller's thread.
 * ``stop``: an Event, set by close() from any thread; ``wakeup``: any thread pokes it.
 """
 
@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import gpu_memory, protocol
-from ..flow import Action, Deliver, Flow, Skipped
+from ..flow import Action, Deliver, Flow, GroupBroken, Skipped
 from ..protocol import Kind
-from ..status import ConsumerStatus, ProducerStatus, Report, rates
+from ..status import ConsumerStatus, GroupStatus, ProducerStatus, Report, rates
 from ..transport import Store
 from ..wakeup import Wakeup
 
@@ -79,6 +79,9 @@ class Shared:
         self.wakeup = Wakeup()
         self.stop = threading.Event()
         self.first_join: float | None = None
+        # group members that left, described for the GROUP_BROKEN their group's others get
+        # (some only once they were sent their share of the epoch); the last few
+        self.departed: collections.OrderedDict[Hashable, str] = collections.OrderedDict()
         self.replay_places = 0  # sized at the first batch, from its bytes
         # loader_wait: in next(loader); slot_wait: for the slowest consumer to free a place;
         # publish_time: writing and announcing (slot_wait included)
@@ -96,9 +99,23 @@ class Shared:
         for action in actions:
             if isinstance(action, Deliver):
                 self.outbox.append((action.consumer, action.entry.payload))
-            else:
-                assert isinstance(action, Skipped)
+            elif isinstance(action, Skipped):
                 self.outbox.append((action.consumer, protocol.encode(Kind.SKIPPED, count=action.count)))
+            else:
+                assert isinstance(action, GroupBroken)
+                self.outbox.append((action.consumer, self._group_broken(action)))
+        while len(self.departed) > 256:
+            self.departed.popitem(last=False)
+
+    def _group_broken(self, action: GroupBroken) -> bytes:
+        who = self.departed.get(action.lost, "left")
+        when = "mid-epoch" if action.at_once else "after the end of an epoch"
+        reason = (
+            f"rank {action.rank} of group {action.group!r} ({who}) {when}: the group's ranks can no "
+            "longer get equal shares, so this one is sent nothing more. Restart the job as a whole "
+            "(torchrun's elastic restart does) to join again as a new group"
+        )
+        return protocol.encode(Kind.GROUP_BROKEN, reason=reason, at_once=action.at_once)
 
     def broadcast(self, frame: bytes, transport: str | None = None) -> None:
         """Queue ``frame`` for every joined consumer, or those reading through ``transport``
@@ -106,6 +123,26 @@ class Shared:
         self.outbox.extend(
             (cid, frame) for cid, peer in self.peers.items() if transport in (None, peer.transport)
         )
+
+    def _groups(self) -> list[GroupStatus]:
+        flow = self.flow
+        out: list[GroupStatus] = []
+        for group in flow.groups():
+            members = sorted((rank, cid) for rank, cid in group.members.items() if cid in flow.consumers)
+            states = [flow.consumers[cid] for _, cid in members]
+            broken = group.lost is not None
+            out.append(
+                {
+                    "name": group.name,
+                    "size": group.size,
+                    "tail": group.tail.value,
+                    "state": "broken" if broken else "running" if group.started else "forming",
+                    "ranks": [rank for rank, _ in members],
+                    "received": [s.received for s in states],
+                    "lag": max((flow.lag(cid) for _, cid in members), default=0),
+                }
+            )
+        return out
 
     def status(self) -> ProducerStatus:
         """A snapshot of consumers, places and timings (lock held)."""
@@ -133,6 +170,8 @@ class Shared:
                     "skipped": state.skipped,
                     # a pid of another PID namespace means nothing to NVML here
                     "gpu_mib": gpu_mib.get(peer.pid) if gpu_mib is not None and peer.local else None,
+                    "group": None if state.group is None else state.group.name,
+                    "rank": None if state.group is None else state.rank,
                     **rates(peer.stats, now),
                 }
             )
@@ -158,5 +197,6 @@ class Shared:
             "batches_per_epoch": config.batches_per_epoch,
             "samples_per_epoch": config.samples_per_epoch,
             "consumers": consumers,
+            "groups": self._groups(),
             **stats,  # type: ignore[typeddict-item]
         }

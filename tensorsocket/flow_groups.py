@@ -1,0 +1,166 @@
+"""Groups, the flow's rules for consumers that split the stream: the ranks of one distributed
+job. Pure, like :mod:`tensorsocket.flow`, which applies them; nothing here knows of places.
+
+Batch ``i`` of an epoch goes to rank ``i % size``, one *round* of ``size`` batches at a time:
+a round is sent once all of it is published (or its epoch ended), so the short last round of
+an epoch can follow the group's :class:`Tail` and every rank gets the same number of batches
+per epoch (DDP's all-reduces line up; a user computes the same shares from a plain
+DataLoader with :func:`share`). A group starts only when all ``size`` ranks joined, at an
+epoch's first batch (late-join policies ``replay`` or ``next_epoch``), as a unit; the
+producer's window must hold a round (``size <= slots``). A member that leaves breaks it: the
+others are sent nothing more (a :class:`GroupBroken` action each) right away, or, when it left
+having been sent all of an epoch's share, once they were sent theirs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+from enum import Enum
+
+#: Places added per rank of the running groups. A group's ranks hold *different* batches (an
+#: ungrouped consumer's are the newest, shared by all), and in DDP's lockstep each rank holds
+#: its current batch (1) and maybe one a prefetching fetcher took ahead (Lightning's: 2) while
+#: it waits for its next, which the round being written needs a place for (3): without these,
+#: every place could be held by ranks that each wait for a batch there is no place for.
+GROUP_PLACES_PER_RANK = 3
+
+
+class Tail(str, Enum):
+    """What a group does with an epoch's last batches when their number is not a multiple of
+    its size: ``pad`` sends that short round again to the ranks it lacks (every rank gets
+    ceil(n / size) batches, as DistributedSampler pads), ``drop`` sends it to nobody
+    (floor(n / size) each, as DistributedSampler(drop_last=True))."""
+
+    PAD = "pad"
+    DROP = "drop"
+
+
+@dataclass(frozen=True)
+class Membership:
+    """What a consumer says of the group it belongs to."""
+
+    group: str
+    rank: int
+    size: int
+    tail: Tail = Tail.PAD
+
+
+@dataclass
+class Group:
+    """One group: who joined (by rank), whether it started, and who broke it."""
+
+    name: str
+    size: int
+    tail: Tail
+    policy: str  # a LateJoin value, the same for every member
+    members: dict[int, Hashable] = field(default_factory=dict)  # rank -> consumer
+    started: bool = False
+    lost: tuple[int, Hashable] | None = None  # (rank, consumer) of the member whose leaving broke it
+
+    @property
+    def running(self) -> bool:
+        return self.started and self.lost is None
+
+
+@dataclass(frozen=True)
+class GroupBroken:
+    """Action: ``consumer``'s group lost its rank ``rank`` (consumer ``lost``): it is sent
+    nothing more (what it holds stays protected until it releases it or leaves). ``at_once``:
+    the group broke mid-epoch, so what it was sent but not yet used is of no use either; else
+    it follows the end of an epoch it was sent all of."""
+
+    consumer: Hashable
+    group: str
+    rank: int
+    lost: Hashable
+    at_once: bool
+
+
+def share(rank: int, size: int, tail: Tail, index: int, total: int | None, published: int) -> bool | None:
+    """Is batch ``index`` of an epoch rank ``rank``'s? None while undecided: its round is not
+    all published (``published`` batches of the epoch so far) and the epoch's ``total`` is
+    not known yet (it has not ended)."""
+    start = index - index % size
+    if total is None:
+        if published < start + size:
+            return None
+        in_round = size
+    else:
+        in_round = min(size, total - start)
+    if in_round == size:
+        return index - start == rank
+    if tail is Tail.DROP:
+        return False
+    return rank % in_round == index - start  # the short round again, from its start
+
+
+class Forming:
+    """Groups waiting for some of their ranks, by name, and the places added for groups."""
+
+    def __init__(self) -> None:
+        self.groups: dict[str, Group] = {}
+        self.places = 0
+
+    def add(self, cid: Hashable, member: Membership, policy: str, window: int, stall: bool) -> Group:
+        """Record ``cid`` as a member (ValueError naming a bad member or a conflict with the
+        ones already here, which then stay as they were); the group it joined, started
+        (and no longer forming) if it is now complete."""
+        name, rank, size = member.group, member.rank, member.size
+        if not stall:
+            raise ValueError(
+                f"group {name!r}: groups need the producer's stragglers='stall' (a skipped batch "
+                "would give its ranks unequal shares)"
+            )
+        if policy == "now":
+            raise ValueError(
+                f"group {name!r}: a group starts at an epoch's first batch; use late_join='replay' or 'next_epoch'"
+            )
+        if type(size) is not int or size < 1:
+            raise ValueError(f"group {name!r}: world_size must be a positive int, got {size!r}")
+        if type(rank) is not int or not 0 <= rank < size:
+            raise ValueError(
+                f"group {name!r}: rank must be an int from 0 to world_size - 1 = {size - 1}, got {rank!r}"
+            )
+        if size > window:
+            raise ValueError(
+                f"group {name!r} has {size} ranks but the producer has slots={window}: a group "
+                f"is sent a round of {size} batches at once, so it needs slots >= {size}"
+            )
+        tail = Tail(member.tail)
+        group = self.groups.get(name) or Group(name, size, tail, policy)
+        if size != group.size:
+            raise ValueError(
+                f"group {name!r}: this member says world_size={size}, the ones that joined {group.size}"
+            )
+        if rank in group.members:
+            raise ValueError(f"group {name!r}: rank {rank} has joined already (two members claim it)")
+        if tail is not group.tail:
+            raise ValueError(
+                f"group {name!r}: this member says tail={tail.value!r}, the others {group.tail.value!r}"
+            )
+        if policy != group.policy:
+            raise ValueError(
+                f"group {name!r}: this member says late_join={policy!r}, the others {group.policy!r}"
+            )
+        group.members[rank] = cid
+        self.groups[name] = group
+        if len(group.members) == size:
+            del self.groups[name]
+            group.started = True
+        return group
+
+    def forget(self, group: Group, rank: int, cid: Hashable) -> None:
+        """A member of a forming group left: one rank fewer."""
+        if group.members.get(rank) == cid:
+            del group.members[rank]
+        if not group.members and self.groups.get(group.name) is group:
+            del self.groups[group.name]
+
+    def more_places(self, groups: Iterable[Group]) -> int:
+        """How many places to add so the running ``groups`` have theirs (see
+        :data:`GROUP_PLACES_PER_RANK`); the count is kept: they stay for later groups."""
+        need = GROUP_PLACES_PER_RANK * sum(g.size for g in groups if g.running)
+        more = max(0, need - self.places)
+        self.places += more
+        return more
