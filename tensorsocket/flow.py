@@ -142,6 +142,8 @@ class ConsumerState:
     # group members: the seq after which it is sent nothing more (its group broke), or None
     cut_after: int | None = None
     broken: bool = False  # its group broke: sent nothing more, no cursor
+    at: tuple[int, int] | None = None  # the position a restored group member asked for
+    resume_index: int = 0  # waiting for the next epoch: start at this batch of it
 
     @property
     def forming(self) -> bool:
@@ -185,6 +187,7 @@ class Flow:
         self.published = 0  # batches
         self.epoch = 0  # the epoch being published
         self._epoch_start = 0  # seq of the current epoch's first entry
+        self._epoch_starts: dict[int, int] = {0: 0}  # epoch -> its first seq, while in the log
         self._epoch_index = 0  # batches published in the current epoch
         self._epoch_batches: dict[int, int] = {}  # epoch -> its batches, once it ended (groups)
         self._forming = Forming()
@@ -234,21 +237,39 @@ class Flow:
         prefetch: int,
         policy: LateJoin = LateJoin.REPLAY,
         member: Membership | None = None,
+        at: tuple[int, int] | None = None,
     ) -> list[Action]:
         """Add a consumer; ``prefetch`` is capped at the window. A ``member`` of a group
         starts with the group, once all its ranks joined; ValueError naming a conflict with
-        the members already here (its rank taken, another size, tail or policy)."""
+        the members already here (its rank taken, another size, tail or policy). ``at``
+        (epoch, index): a restored consumer's position, where it starts if that batch is
+        still resident or not yet published (else its policy applies)."""
         if cid in self.consumers:
             raise ValueError(f"consumer {cid!r} already joined")
         if type(prefetch) is not int or prefetch < 1:
             raise ValueError(f"prefetch must be a positive int, got {prefetch!r}")
         policy = LateJoin(policy)
         if member is not None:
-            return self._join_group(cid, min(prefetch, self.window), policy, member)
-        self.consumers[cid] = ConsumerState(
-            prefetch=min(prefetch, self.window), cursor=self._start(policy), policy=policy
-        )
+            return self._join_group(cid, min(prefetch, self.window), policy, member, at)
+        state = ConsumerState(prefetch=min(prefetch, self.window), cursor=None, policy=policy)
+        self.consumers[cid] = state
+        self._place(state, policy, at)
         return self._begin([cid])
+
+    def _place(self, state: ConsumerState, policy: LateJoin, at: tuple[int, int] | None) -> None:
+        """Set a starting consumer's cursor: at its position ``at`` if it can be sent from
+        there, else where its policy says."""
+        state.cursor = self._start(policy)
+        if at is None or self.ended:
+            return
+        epoch, index = at
+        if epoch == self.epoch + 1:  # it finished this epoch, or resumes past its start
+            state.cursor, state.resume_index = None, index
+        elif epoch in self._epoch_starts:
+            seq = self._epoch_starts[epoch] + index
+            total = self._epoch_batches.get(epoch)
+            if (total is None or index <= total) and seq >= self._oldest_replayable():
+                state.cursor = seq  # resident from there on, or (this epoch) not yet published
 
     def _start(self, policy: LateJoin) -> int | None:
         """Where a consumer joining now starts (None: at the next epoch boundary)."""
@@ -274,16 +295,20 @@ class Flow:
             state.catching_up = not self._within_limit(state, leader)
         return out + self._settle()
 
-    def _join_group(self, cid: Hashable, prefetch: int, policy: LateJoin, member: Membership) -> list[Action]:
+    def _join_group(
+        self, cid: Hashable, prefetch: int, policy: LateJoin, member: Membership, at: tuple[int, int] | None
+    ) -> list[Action]:
         group = self._forming.add(cid, member, policy.value, self.window, self.max_lag is None)
         end = self.next_seq - 1 if self.ended else None  # the stream ended: it gets END, nothing to wait for
-        self.consumers[cid] = ConsumerState(prefetch, end, policy, group=group, rank=member.rank)
+        self.consumers[cid] = ConsumerState(prefetch, end, policy, group=group, rank=member.rank, at=at)
         if group.started and not self.ended:  # complete: all start together (after END each is sent END)
             self.add_places(self._forming.more_places(self.groups()))
-            cursor = self._start(policy)
             members = [group.members[r] for r in range(group.size)]
-            for m in members:
-                self.consumers[m].cursor = cursor
+            states = [self.consumers[m] for m in members]
+            positions = {s.at for s in states}  # restored members resume where they all agree
+            self._place(states[0], policy, positions.pop() if len(positions) == 1 else None)
+            for s in states[1:]:
+                s.cursor, s.resume_index = states[0].cursor, states[0].resume_index
             return self._begin(members)
         return self._deliver(cid, self.consumers[cid])
 
@@ -412,14 +437,15 @@ class Flow:
     def end_epoch(self, payload: Any) -> list[Action]:
         """Append an EPOCH_END marker; consumers waiting for a boundary start after it."""
         self._epoch_batches[self.epoch] = self._epoch_index  # decides the groups' last round
+        self._clamp_cursors(self.next_seq)  # resuming past the epoch's end: at its end
         out = self._append(EntryKind.EPOCH_END, None, payload)
         self.epoch += 1
-        self._epoch_start = self.next_seq
+        self._epoch_start = self._epoch_starts[self.epoch] = self.next_seq
         self._epoch_index = 0
         self._replay_open = True
         for state in self.consumers.values():
             if state.cursor is None and not (state.forming or state.broken):
-                state.cursor = self.next_seq
+                state.cursor, state.resume_index = self.next_seq + state.resume_index, 0
         return out + self._settle()  # the waiters are the leaders now
 
     def end_stream(self, payload: Any) -> list[Action]:
@@ -427,6 +453,7 @@ class Flow:
         end_seq = self.next_seq
         if self._epoch_index:  # ended mid-epoch: its last round is decided by what was published
             self._epoch_batches[self.epoch] = self._epoch_index
+        self._clamp_cursors(end_seq)
         for state in self.consumers.values():
             if state.cursor is None and not state.broken:  # a forming group will never start
                 state.cursor = end_seq
@@ -435,6 +462,14 @@ class Flow:
         return out
 
     # ------------------------------------------------------------------ internals
+
+    def _clamp_cursors(self, seq: int) -> None:
+        """Cursors of restored consumers that point past the entry about to be appended at
+        ``seq`` (an epoch's end marker or END) point at it: the epoch ended before their
+        position."""
+        for state in self.consumers.values():
+            if state.cursor is not None and state.cursor > seq:
+                state.cursor = seq
 
     def _append(self, kind: EntryKind, place: int | None, payload: Any) -> list[Action]:
         if self.ended:
@@ -570,10 +605,11 @@ class Flow:
                 break
             del self._log[seq]
             del self._before[seq]
-        if len(self._epoch_batches) > 1 and self._log:  # only epochs with entries in the log are asked about
+        if len(self._epoch_starts) > 1 and self._log:  # only epochs with entries in the log are asked about
             oldest = next(iter(self._log.values())).epoch
-            for epoch in [e for e in self._epoch_batches if e < oldest]:
-                del self._epoch_batches[epoch]
+            for table in (self._epoch_batches, self._epoch_starts):
+                for epoch in [e for e in table if e < oldest]:
+                    del table[epoch]
 
 
 def check_invariants(flow: Flow) -> None:

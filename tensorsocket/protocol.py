@@ -16,7 +16,7 @@ import msgpack
 
 from .errors import ProtocolError
 
-VERSION = 4
+VERSION = 5
 #: Largest frame a consumer may send; the producer also sets ZMQ_MAXMSGSIZE to this.
 MAX_REQUEST_BYTES = 64 * 1024
 #: Largest frame a producer may send (a BATCH whose layout has very many leaves).
@@ -115,6 +115,10 @@ SCHEMA: dict[Kind, dict[str, Callable[[Any], bool]]] = {
         "batch_size": _opt(_int(1, 1 << 31)),
         "device": _str(64),
         "group": _opt(_group),
+        # a restored consumer's position: [stream, epoch, index] (see Consumer.load_state_dict)
+        "resume": _opt(
+            lambda v: type(v) is list and len(v) == 3 and _str(64)(v[0]) and _int()(v[1]) and _int()(v[2])
+        ),
     },
     Kind.WELCOME: {
         "pid": _int(1, (1 << 31) - 1),
@@ -127,6 +131,7 @@ SCHEMA: dict[Kind, dict[str, Callable[[Any], bool]]] = {
         "gpu": _opt(_str(96)),
         "arenas": lambda v: type(v) is list and len(v) <= 1 << 16 and all(map(_arena, v)),
         "heartbeat": _num(0.001, 3600.0),
+        "stream": _str(64),  # this stream's id: a consumer's saved position is only good on it
     },
     Kind.ARENA: {"arena": _arena},
     Kind.BATCH: {

@@ -210,8 +210,10 @@ class Rebatcher:
         """Samples held for the next output batch."""
         return self._count
 
-    def push(self, batch: Any) -> list:
-        """Feed the next producer batch; return the output batches it completes (maybe none)."""
+    def push(self, batch: Any, first: int = 0) -> list:
+        """Feed the next producer batch; return the output batches it completes (maybe none).
+        ``first``: its samples before this one were handed out already (a consumer resumed
+        from a state saved inside this batch), so they are left out."""
         n = batch_length(batch)
         if n is None:
             raise ValueError(
@@ -221,7 +223,9 @@ class Rebatcher:
         if n == 0:
             return []
         piece = _take_apart(batch, n)  # validates before any state changes
-        out, start, size = [], 0, self.batch_size
+        if first and (self._parts or not 0 <= first <= n):
+            raise ValueError(f"first={first} must be within the batch's {n} samples, with none pending")
+        out, start, size = [], first, self.batch_size
         if self._parts:
             _check_joinable(self._parts[0], piece)
             need = size - self._count

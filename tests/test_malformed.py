@@ -50,6 +50,7 @@ def hello(**override: Any) -> dict[str, Any]:
         "batch_size": None,
         "device": "cpu",
         "group": None,
+        "resume": None,
     }
     fields.update(override)
     return fields
@@ -358,6 +359,7 @@ class FakeProducer:
                 gpu=None,
                 arenas=self.arenas,
                 heartbeat=0.1,
+                stream="fake",
             )
             protocol.decode(welcome, protocol.MAX_REPLY_BYTES)  # our WELCOME itself is valid
             self.socket.send_multipart([cid, welcome])

@@ -59,6 +59,8 @@ VALID: dict[str, Any] = {
     "waiting": 1.25,
     "group": ["job-a", 1, 4, "pad"],
     "at_once": True,
+    "resume": ["0123abcd", 3, 17],
+    "stream": "0123abcd",
 }
 EDGES: dict[str, list[Any]] = {
     "version": [protocol.VERSION],  # any other is refused: test_other_protocol_versions_are_refused
@@ -94,6 +96,8 @@ EDGES: dict[str, list[Any]] = {
     "waiting": [0, 0.0, 1e12],
     "group": [None, ["j" * 128, 0, 1, "drop"], ["é", 1 << 16, 1 << 16, "pad"]],
     "at_once": [False, True],
+    "resume": [None, ["", 0, 0], ["s" * 64, 2**63 - 1, 2**63 - 1]],
+    "stream": ["", "s" * 64],
 }
 # Values no kind may accept for that field: wrong type, bool for int, out of range, too long.
 BAD: dict[str, list[Any]] = {
@@ -157,6 +161,8 @@ BAD: dict[str, list[Any]] = {
         {"name": "job"},
     ],
     "at_once": [None, 0, 1, "yes"],
+    "resume": ["s", [], ["s", 0], ["s" * 65, 0, 0], ["s", -1, 0], ["s", 0, True], [1, 0, 0], ["s", 0, 0, 0]],
+    "stream": [None, 1, "s" * 65, b"s"],
 }
 
 

@@ -4,6 +4,7 @@ producer within ``timeout``) and hands iteration to :class:`~.iteration.Batches`
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import logging
 import os
@@ -22,8 +23,9 @@ from ..flow import LateJoin
 from ..rebatch import Rebatcher, batches_per_epoch
 from ..transport import Reader, parse_device
 from ..wakeup import stop_loop
-from . import io_loop
+from . import io_loop, resume
 from .iteration import Batches, EpochIterator
+from .resume import Position
 from .shared import Settings, Shared
 
 log = logging.getLogger("tensorsocket")
@@ -135,6 +137,15 @@ class Consumer:
             check_writes,
             membership,
         )
+        self._rebatcher = rebatcher
+        self._join(settings, None)
+
+    def _join(self, settings: Settings, restored: Position | None) -> None:
+        """Start the I/O thread, which joins the producer (at ``restored``, if it can),
+        and wait for the outcome; raise what went wrong."""
+        if restored is not None:
+            settings = dataclasses.replace(settings, resume=(restored.stream, restored.epoch, restored.index))
+        self._settings = settings
         shared = self._shared = Shared()
         outcome: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._io = threading.Thread(
@@ -159,13 +170,44 @@ class Consumer:
         self.batches_per_epoch: int | None = welcome["batches"]
         self.samples_per_epoch: int | None = welcome["samples"]
         self.slots: int = welcome["slots"]
-        self._batches = Batches(shared, settings, reader, self._io, self.slots, rebatcher)
+        if self._rebatcher is not None:
+            self._rebatcher.flush()
+        self._batches = Batches(
+            shared, settings, reader, self._io, self.slots, self._rebatcher, welcome["stream"], restored,
+            self.batches_per_epoch,
+        )  # fmt: skip
         self._closed = False
         # At interpreter exit (or when dropped), stop the thread before zmq is torn down
         # under it: a daemon thread still using its socket then aborts the process. The
         # thread holds the shared record, not this object, so a dropped Consumer is
         # collected and its thread then leaves the producer (which drops its holds).
         weakref.finalize(self, stop_loop, shared.stop, shared.wakeup, self._io)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this consumer is, for a checkpoint: after the last batch it handed out (as
+        StatefulDataLoader's ``state_dict``). A small dict of plain values."""
+        batches = self._batches
+        position = batches.position() if batches.taken_any else batches.restored
+        return resume.state_of(position, self.batch_size, self.group)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a :meth:`state_dict` saved earlier (a restarted trainer's checkpoint),
+        before iterating: this consumer rejoins the producer at that position. Exact when the
+        producer still has that batch or has not published it yet; else it goes on as its
+        ``late_join`` says and logs how many batches it missed (``missed``). ValueError for a
+        state of another kind, batch size or group."""
+        self._check_open()
+        restored = resume.position_of(state, self.batch_size, self.group)
+        if self._batches.taken_any:
+            raise ValueError("load_state_dict() must come before this consumer hands out a batch")
+        self._leave()
+        self._join(self._settings, restored)
+
+    @property
+    def missed(self) -> int | None:
+        """Producer batches a restored consumer lost because the producer no longer had them
+        (None: not restored, nothing missed, or not known)."""
+        return self._batches.missed
 
     def __len__(self) -> int:
         """Batches per epoch: the producer loader's len(), or with ``batch_size`` what this
@@ -215,6 +257,10 @@ class Consumer:
         if self._closed:
             return
         self._closed = True
+        self._leave()
+
+    def _leave(self) -> None:
+        """Stop the I/O thread (it says BYE), drop what it queued, close the reader."""
         shared = self._shared
         shared.stop.set()
         shared.wakeup.wake()

@@ -82,6 +82,7 @@ def _handshake(socket: zmq.Socket, settings: Settings) -> dict[str, Any]:
             batch_size=settings.batch_size,
             device=str(settings.device),
             group=None if settings.group is None else list(settings.group),
+            resume=None if settings.resume is None else list(settings.resume),
         )
     )
     if not socket.poll(int(settings.timeout * 1000)):

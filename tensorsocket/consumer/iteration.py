@@ -18,7 +18,9 @@ from typing import Any
 from ..errors import BatchModified, Closed, Hoarding, ProducerLost
 from ..rebatch import Rebatcher, batch_length
 from ..transport import Reader
+from . import resume
 from .io_loop import TICK
+from .resume import Position
 from .shared import BATCH, END, EPOCH_END, SKIPPED, Settings, Shared
 
 log = logging.getLogger("tensorsocket")
@@ -35,9 +37,24 @@ class Batches:
         io: threading.Thread,
         slots: int,
         rebatcher: Rebatcher | None,
+        stream: str = "",
+        restored: Position | None = None,
+        batches_per_epoch: int | None = None,
     ) -> None:
         self.shared, self.settings, self.reader, self.io = shared, settings, reader, io
         self.slots, self.rebatcher = slots, rebatcher
+        # Where this consumer is (see consumer/resume.py): the next producer batch of the epoch
+        # in progress; with a re-cut, the producer batches of the epoch pushed (index, first
+        # sample's number, samples) and the samples handed out
+        self.stream, self.epoch, self.next_index = stream, None if restored is None else restored.epoch, 0
+        self.pushed: collections.deque[tuple[int, int, int]] = collections.deque()
+        self.pushed_epoch, self.handed, self.last = 0, 0, (0, 0)
+        self.restored, self.batches_per_epoch = restored, batches_per_epoch
+        if restored is not None:
+            self.next_index = restored.index
+        self.missed: int | None = None  # batches a restored consumer lost (None: none or not known)
+        self.resume_checked = False
+        self.taken_any = False  # a batch or an epoch's end was taken
         self.ended = False
         self.mid_epoch = False
         self.error: Exception | None = None
@@ -60,6 +77,8 @@ class Batches:
         self.stop_pending = False
         if self.rebatcher is not None:
             self.rebatcher.flush()  # drop a remainder left behind by a loop that broke early
+            self.pushed.clear()
+            self.handed = 0
 
     def next_for_user(self) -> Any:
         """The next batch in this consumer's batch size; StopIteration at the epoch's end."""
@@ -84,16 +103,79 @@ class Batches:
         while not self.ready:
             if self.stop_pending:
                 self.stop_pending = False
+                self.pushed.clear()
+                self.handed = 0
                 raise StopIteration
             try:
-                self.ready.extend(self.rebatcher.push(self.next_batch()))
+                batch = self.next_batch()
             except StopIteration:
                 tail = self.rebatcher.flush()
                 if tail is None:
+                    self.pushed.clear()
+                    self.handed = 0
                     raise
                 self.ready.append(tail)
                 self.stop_pending = True
-        return self.ready.popleft()
+                continue
+            n, first = batch_length(batch) or 0, 0
+            if self.restored is not None and self.last == (self.restored.epoch, self.restored.index):
+                first = self.restored.offset  # handed out before the state was saved
+                self.restored = None
+            if not self.pushed:
+                self.pushed_epoch = self.last[0]
+            start = self.pushed[-1][1] + self.pushed[-1][2] if self.pushed else -first
+            self.pushed.append((self.last[1], start, n))
+            self.ready.extend(self.rebatcher.push(batch, first))
+        out = self.ready.popleft()
+        self.handed += batch_length(out) or 0
+        while len(self.pushed) > 1 and self.pushed[0][1] + self.pushed[0][2] <= self.handed:
+            self.pushed.popleft()  # all handed out: no position lies in it any more
+        return out
+
+    def position(self) -> Position | None:
+        """Where this consumer is: what a restored one continues from (None: nothing yet)."""
+        if self.epoch is None:
+            return None
+        for index, start, n in self.pushed:  # a re-cut whose last output ended inside a batch
+            if start <= self.handed < start + n:
+                return Position(self.stream, self.pushed_epoch, index, self.handed - start)
+        return Position(self.stream, self.epoch, self.next_index)
+
+    def _note_position(self, kind: str, epoch: int, index: int) -> None:
+        """After taking a batch (``index`` of ``epoch``) or an epoch's end; on the first one
+        after a restore, say what was missed."""
+        if self.restored is not None and not self.resume_checked:
+            self.resume_checked = True
+            self._report_resume(epoch, index if kind == BATCH else self.batches_per_epoch or index)
+        self.last, self.taken_any = (epoch, index), True
+        if kind == EPOCH_END:
+            self.epoch, self.next_index = epoch + 1, 0
+            return
+        group = self.settings.group
+        size = 1 if group is None else group[2]  # a group resumes at a round's start
+        self.epoch, self.next_index = epoch, (index // size + 1) * size
+
+    def _report_resume(self, epoch: int, index: int) -> None:
+        restored = self.restored
+        assert restored is not None
+        label, policy = self.settings.label, self.settings.late_join
+        if restored.stream != self.stream:
+            self.restored = None
+            log.warning(
+                "consumer %r was restored from a state saved on another stream (its producer has been "
+                "restarted since): it starts as a late joiner (late_join=%r), at batch %d of epoch %d",
+                label, policy, index, epoch,
+            )  # fmt: skip
+            return
+        self.missed = resume.missed(restored, epoch, index, self.batches_per_epoch)
+        if self.missed or (self.missed is None and (epoch, index) != (restored.epoch, restored.index)):
+            self.restored = None  # its offset is in a batch it will not get
+            log.warning(
+                "consumer %r was restored at batch %d of epoch %d, which the producer no longer has: "
+                "it goes on at batch %d of epoch %d (late_join=%r), %s batches missed",
+                label, restored.index, restored.epoch, index, epoch, policy,
+                "?" if self.missed is None else self.missed,
+            )  # fmt: skip
 
     def next_batch(self) -> Any:
         """The next producer batch of the current epoch, or StopIteration at its end."""
@@ -106,6 +188,8 @@ class Batches:
         while kind == SKIPPED:
             self._note_skipped(payload)
             kind, payload = self._take()
+        if kind in (BATCH, EPOCH_END):
+            self._note_position(kind, *((payload[1], payload[2]) if kind == BATCH else (payload, 0)))
         if kind == BATCH:
             self._catch_up_after_freeze()
             if self.shared.cut_off is not None:  # evicted (or its group broke) while this batch was queued
@@ -121,7 +205,8 @@ class Batches:
                 self.reader.handed_out(token)
             if self.first_batch:
                 self.first_batch = False
-                if index >= (1 if self.settings.group is None else self.settings.group[2]):
+                size = 1 if self.settings.group is None else self.settings.group[2]
+                if index >= size and not self.resume_checked:  # (a restored one said where it is)
                     log.warning(
                         "consumer %r joined epoch %d at its batch %d (late_join=%r): this first epoch is partial",
                         self.settings.label,

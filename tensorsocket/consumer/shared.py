@@ -46,6 +46,7 @@ class Settings:
     copy: bool
     check_writes: bool = False
     group: tuple[str, int, int, str] | None = None  # (name, rank, world size, tail)
+    resume: tuple[str, int, int] | None = None  # a restored position: (stream, epoch, index)
 
 
 @dataclass

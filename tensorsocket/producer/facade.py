@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import shutil
 import time
+import uuid
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -105,6 +106,7 @@ class Producer:
             max_lag,
             self.batches_per_epoch,
             self.samples_per_epoch,
+            uuid.uuid4().hex,
         )
         self._shared = Shared(config, flow, store)
         self._io = IoLoop(self._shared, self.endpoint, owner=self)

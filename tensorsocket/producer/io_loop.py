@@ -202,7 +202,9 @@ class IoLoop:
             group, rank, size, tail = msg["group"]
             member = Membership(group, rank, size, Tail(tail))
         try:
-            actions = shared.flow.join(cid, msg["prefetch"], LateJoin(msg["late_join"]), member)
+            resume = msg["resume"]  # a position on another stream (an earlier producer's) means nothing here
+            at = (resume[1], resume[2]) if resume is not None and resume[0] == config.stream else None
+            actions = shared.flow.join(cid, msg["prefetch"], LateJoin(msg["late_join"]), member, at)
         except ValueError as exc:  # a group member that conflicts with the others
             log.warning("refused %s: %s", peer.describe(), exc)
             shared.outbox.append((cid, protocol.encode(Kind.ERROR, reason=str(exc))))
@@ -222,6 +224,7 @@ class IoLoop:
             gpu=shared.store.gpu if transport == shared.store.kind else None,
             arenas=[d for d in shared.store.describe() if d[0] == transport],
             heartbeat=_heartbeat_interval(peer),
+            stream=config.stream,
         )
         shared.outbox.append((cid, welcome))
         shared.send_all(actions)

@@ -64,6 +64,7 @@ class Config:
     max_lag: int | None
     batches_per_epoch: int | None
     samples_per_epoch: int | None
+    stream: str = ""  # this stream's id (a restored consumer's position names the stream it is on)
 
 
 class Shared:

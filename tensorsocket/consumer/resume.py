@@ -1,0 +1,73 @@
+"""A consumer's place in the stream as a checkpoint keeps it: the state dict of
+:meth:`Consumer.state_dict`, in the shape StatefulDataLoader users know (what to load before
+iterating again), and the checks that make a wrong resume impossible.
+
+A position is (stream, epoch, index, offset): the producer's stream id (a restarted
+producer is another stream, where the numbers mean nothing), the epoch in progress, the next
+producer batch of it to take, and how many samples of that batch this consumer already
+handed out (a re-cut with ``batch_size``: its last output ended inside a producer batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+FORMAT = 1  # the state dict's version: one of another version is refused, not misread
+
+
+@dataclass(frozen=True)
+class Position:
+    stream: str
+    epoch: int
+    index: int
+    offset: int = 0
+
+
+def state_of(position: Position | None, batch_size: int | None, group: str | None) -> dict[str, Any]:
+    """The state dict for ``position`` (None: nothing taken yet, so a load starts afresh)."""
+    state: dict[str, Any] = {"tensorsocket": FORMAT, "batch_size": batch_size, "group": group}
+    if position is not None:
+        state.update(
+            stream=position.stream, epoch=position.epoch, index=position.index, offset=position.offset
+        )
+    return state
+
+
+def position_of(state: Any, batch_size: int | None, group: str | None) -> Position | None:
+    """The position a state dict holds; ValueError naming what is wrong with it or why it
+    does not fit this consumer (another batch size or group would resume somewhere else)."""
+    if not isinstance(state, dict) or state.get("tensorsocket") != FORMAT:
+        raise ValueError(
+            f"not a tensorsocket Consumer state (version {FORMAT}): {str(state)[:200]}; pass what "
+            "Consumer.state_dict() returned"
+        )
+    if state.get("batch_size") != batch_size or state.get("group") != group:
+        raise ValueError(
+            f"the state was saved by a consumer with batch_size={state.get('batch_size')!r}, "
+            f"group={state.get('group')!r}; this one has batch_size={batch_size!r}, group={group!r}"
+        )
+    if "stream" not in state:
+        return None
+    stream, epoch, index, offset = (state.get(k) for k in ("stream", "epoch", "index", "offset"))
+    if not (isinstance(stream, str) and len(stream) <= 64):
+        raise ValueError(f"the state's stream must be a string of at most 64 characters, got {stream!r}")
+    for key, value in (("epoch", epoch), ("index", index), ("offset", offset)):
+        if type(value) is not int or not 0 <= value < 2**63:
+            raise ValueError(f"the state's {key} must be a non-negative int, got {value!r}")
+    if offset and batch_size is None:
+        raise ValueError(f"the state's offset is {offset} but a consumer without batch_size has none")
+    return Position(stream, epoch, index, offset)
+
+
+def missed(position: Position, epoch: int, index: int, batches_per_epoch: int | None) -> int | None:
+    """Producer batches between ``position`` and the first entry a restored consumer got
+    (batch ``index`` of ``epoch``; ``index`` is that epoch's length for its end marker):
+    what it lost. None when it cannot be told (the loader has no len())."""
+    if epoch == position.epoch:
+        return max(0, index - position.index)
+    if batches_per_epoch is None:
+        return None
+    return (
+        max(0, batches_per_epoch - position.index) + (epoch - position.epoch - 1) * batches_per_epoch + index
+    )

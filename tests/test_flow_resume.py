@@ -1,0 +1,107 @@
+"""A restored consumer joins the pure flow at its position (epoch, index): exact when that
+batch is still resident or not yet published, else where its late-join policy says."""
+
+from __future__ import annotations
+
+import pytest
+
+from tensorsocket.flow import Deliver, EntryKind, Flow, LateJoin, Membership, check_invariants
+
+BATCH, EPOCH_END = EntryKind.BATCH, EntryKind.EPOCH_END
+
+
+def sent(out: list, cid: str) -> list[tuple]:
+    """What ``cid`` was sent, as (epoch, index) for batches and ("end", epoch) for markers."""
+    got = []
+    for a in out:
+        if isinstance(a, Deliver) and a.consumer == cid:
+            e = a.entry
+            got.append((e.epoch, e.index) if e.kind is BATCH else ("end", e.epoch))
+    return got
+
+
+def run(flow: Flow, batches: int, out: list, release: tuple[str, ...] = ()) -> None:
+    """Publish ``batches`` batches; the consumers in ``release`` release what they are sent."""
+    for _ in range(batches):
+        place = flow.reserve()
+        assert place is not None
+        actions = flow.publish(place, None)
+        out += actions
+        for a in actions:
+            if isinstance(a, Deliver) and a.consumer in release:
+                out += flow.release(a.consumer, [a.entry.seq])
+        check_invariants(flow)
+
+
+def test_resumes_at_a_resident_batch_of_this_epoch():
+    flow = Flow(window=2, places=8)  # 6 replay places keep what the reader consumed
+    out: list = []
+    flow.join("reader", 2)
+    run(flow, 5, out, release=("reader",))
+    joined = flow.join("back", 2, at=(0, 3))  # it had taken batches 0, 1, 2
+    assert sent(joined, "back") == [(0, 3), (0, 4)]
+
+
+def test_resumes_at_a_batch_not_yet_published_and_is_sent_nothing_before_it():
+    flow = Flow(window=4, places=4)
+    out: list = []
+    flow.join("reader", 4)
+    run(flow, 2, out, release=("reader",))
+    out += flow.join("back", 4, at=(0, 3))  # a predecessor took 0..2 from an earlier stream position
+    run(flow, 3, out, release=("reader",))
+    assert sent(out, "back") == [(0, 3), (0, 4)]
+
+
+@pytest.mark.parametrize("index", [0, 2])
+def test_resumes_in_the_next_epoch_after_finishing_this_one(index):
+    flow = Flow(window=4, places=4)
+    out: list = []
+    flow.join("reader", 4)
+    run(flow, 3, out, release=("reader",))
+    out += flow.join("back", 4, at=(1, index))
+    out += flow.end_epoch("end")
+    run(flow, 4, out, release=("reader", "back"))
+    assert sent(out, "back") == [(1, i) for i in range(index, 4)]
+
+
+def test_a_position_past_the_epochs_end_starts_at_its_end_marker():
+    flow = Flow(window=4, places=4)
+    out: list = []
+    flow.join("reader", 4)
+    run(flow, 2, out, release=("reader",))
+    out += flow.join("back", 4, at=(0, 7))  # the epoch turns out to have 3 batches
+    run(flow, 1, out, release=("reader",))
+    out += flow.end_epoch("end")
+    run(flow, 1, out, release=("reader", "back"))
+    assert sent(out, "back") == [("end", 0), (1, 0)]
+
+
+def test_a_position_no_longer_resident_falls_back_to_the_policy():
+    flow = Flow(window=2, places=2)
+    out: list = []
+    flow.join("reader", 2)
+    run(flow, 5, out, release=("reader",))  # batches 0..2 overwritten
+    assert sent(flow.join("back", 2, LateJoin.NOW, at=(0, 1)), "back") == [(0, 3), (0, 4)]
+    assert (
+        flow.join("waits", 2, at=(0, 1)) == [] and flow.consumers["waits"].cursor is None
+    )  # replay: next epoch
+
+
+def test_a_restored_group_resumes_where_all_its_ranks_agree():
+    flow = Flow(window=4, places=12)
+    out: list = []
+    flow.join("reader", 4)
+    run(flow, 6, out, release=("reader",))
+    out += flow.join("r0", 4, member=Membership("job", 0, 2), at=(0, 4))
+    out += flow.join("r1", 4, member=Membership("job", 1, 2), at=(0, 4))
+    run(flow, 2, out, release=("reader",))
+    assert sent(out, "r0") == [(0, 4), (0, 6)] and sent(out, "r1") == [(0, 5), (0, 7)]
+
+
+def test_a_group_whose_ranks_disagree_starts_by_its_policy():
+    flow = Flow(window=4, places=12)
+    flow.join("reader", 4)
+    run(flow, 4, [], release=("reader",))
+    flow.join("r0", 4, member=Membership("job", 0, 2), at=(0, 2))
+    out = flow.join("r1", 4, member=Membership("job", 1, 2), at=(0, 4))
+    assert sent(out, "r0") == [(0, 0), (0, 2)]  # replay: the epoch from its start

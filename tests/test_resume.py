@@ -1,0 +1,232 @@
+"""Resumable consumers: a trainer restored from its checkpoint (Consumer.state_dict /
+load_state_dict, StatefulDataLoader's shape) rejoins at its position, exactly, in real
+processes; Lightning saves and restores that state in its checkpoints unchanged."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+from tensorsocket import Consumer, Producer
+from tests.support import SPAWN, serving, wait_until
+
+BATCHES, ROWS = 8, 4
+
+
+class Ids:
+    """``BATCHES`` batches of ``ROWS`` sample ids each, epoch after epoch the same."""
+
+    def __len__(self) -> int:
+        return BATCHES
+
+    def __iter__(self) -> Any:
+        for i in range(BATCHES):
+            yield torch.arange(i * ROWS, (i + 1) * ROWS)
+
+
+def _life(name: str, state_file: str, epochs: int, kill_after: int | None, options: dict, out: Any) -> None:
+    """One life of a trainer: restore from ``state_file`` if there is one, iterate, save the
+    state after every batch (as a checkpoint would), SIGKILL itself after ``kill_after``."""
+    seen: list[list[int]] = []
+    with Consumer(name=name, timeout=10.0, **options) as consumer:
+        if os.path.exists(state_file):
+            with open(state_file) as f:
+                consumer.load_state_dict(json.load(f))
+        taken = 0
+        while not consumer.finished:  # the rest of its epoch, then the others, to the end
+            for batch in consumer:
+                seen.append(batch.tolist())
+                taken += 1
+                with open(state_file + ".tmp", "w") as f:
+                    json.dump(consumer.state_dict(), f)
+                os.replace(state_file + ".tmp", state_file)
+                if taken == kill_after:
+                    out.put(seen)
+                    import time
+
+                    time.sleep(0.3)  # the queue's feeder sends it
+                    os.kill(os.getpid(), signal.SIGKILL)
+        out.put(seen)
+
+
+@pytest.mark.parametrize(
+    "options, kill_after",
+    [({}, 11), ({"batch_size": 3}, 13)],  # mid-epoch 1; the re-cut one inside a producer batch
+    ids=["producer-batches", "re-cut"],
+)
+def test_a_killed_trainer_restored_from_its_state_sees_every_epoch_exactly_once(
+    name, tmp_path, options, kill_after
+):
+    epochs = 3
+    state = str(tmp_path / "state.json")
+    out = SPAWN.Queue()
+    with Producer(Ids(), name=name, slots=2) as producer:  # default replay keeps the epoch
+        with serving(producer, epochs=epochs) as (thread, errors):
+            first = SPAWN.Process(target=_life, args=(name, state, epochs, kill_after, options, out))
+            first.start()
+            before = out.get(timeout=60)
+            first.join(timeout=30)
+            assert first.exitcode == -signal.SIGKILL
+            second = SPAWN.Process(target=_life, args=(name, state, epochs, None, options, out))
+            second.start()
+            after = out.get(timeout=60)
+            second.join(timeout=30)
+            thread.join(timeout=30)
+        assert not errors, errors
+    samples = [i for _ in range(epochs) for i in range(BATCHES * ROWS)]
+    assert [i for b in before + after for i in b] == samples  # the two lives: each sample once, in order
+    size = options.get("batch_size", ROWS)
+    per_epoch = [size] * (BATCHES * ROWS // size) + ([BATCHES * ROWS % size] if BATCHES * ROWS % size else [])
+    assert [len(b) for b in before + after] == per_epoch * epochs  # the re-cut went on where it was
+
+
+def test_a_state_saved_before_anything_was_taken_starts_afresh_and_states_are_checked(name):
+    with Producer(Ids(), name=name, slots=2) as producer:
+        with serving(producer, epochs=1):
+            with Consumer(name=name) as consumer:
+                fresh = consumer.state_dict()
+                assert "stream" not in fresh
+                consumer.load_state_dict(fresh)
+                for bad, needle in [
+                    ({}, "not a tensorsocket Consumer state"),
+                    ({**fresh, "tensorsocket": 99}, "not a tensorsocket Consumer state"),
+                    ({**fresh, "batch_size": 3}, "saved by a consumer with batch_size=3"),
+                    ({**fresh, "group": "job"}, "group='job'"),
+                    (
+                        {**fresh, "stream": "s", "epoch": -1, "index": 0, "offset": 0},
+                        "epoch must be a non-negative",
+                    ),
+                    ({**fresh, "stream": "s", "epoch": 0, "index": 0, "offset": 2}, "offset is 2"),
+                    ({**fresh, "stream": 5, "epoch": 0, "index": 0, "offset": 0}, "stream must be a string"),
+                ]:
+                    with pytest.raises(ValueError, match=needle):
+                        consumer.load_state_dict(bad)
+                first = next(iter(consumer))
+                assert first.tolist() == [0, 1, 2, 3]
+                with pytest.raises(ValueError, match="must come before"):
+                    consumer.load_state_dict(consumer.state_dict())
+
+
+def test_a_position_the_producer_no_longer_has_is_missed_and_counted(name, caplog):
+    with Producer(Ids(), name=name, slots=2, replay=0) as producer:
+        with serving(producer, epochs=2):
+            with Consumer(name=name, label="ahead") as ahead:
+                it = iter(ahead)
+                for _ in range(2):
+                    next(it)
+                saved = ahead.state_dict()  # at batch 2 of epoch 0
+                assert (saved["epoch"], saved["index"]) == (0, 2)
+                for _ in range(4):
+                    next(it)  # batches 2..5 taken and dropped: with replay=0 they are gone
+            with Consumer(name=name, late_join="now", label="restored") as restored:
+                restored.load_state_dict(saved)
+                batch = next(iter(restored))
+                start = batch[0].item() // ROWS
+                assert start > 2 and restored.missed == start - 2
+                assert "no longer has" in caplog.text and f"{start - 2} batches missed" in caplog.text
+                del batch
+
+
+def test_a_state_from_another_stream_joins_as_a_late_joiner(name, caplog):
+    with Producer(Ids(), name=name, slots=2) as producer:
+        with serving(producer, epochs=1):
+            with Consumer(name=name) as consumer:
+                next(iter(consumer))
+                saved = consumer.state_dict()
+    with Producer(Ids(), name=name, slots=2) as producer:  # a new producer: a new stream
+        with serving(producer, epochs=1):
+            with Consumer(name=name) as consumer:
+                consumer.load_state_dict(saved)
+                assert next(iter(consumer)).tolist() == [0, 1, 2, 3]  # this stream, from its start
+                assert "saved on another stream" in caplog.text and consumer.missed is None
+
+
+def test_a_restored_group_resumes_together(name):
+    with Producer(Ids(), name=name, slots=2) as producer:
+        with serving(producer, epochs=1):
+            states: dict[int, Any] = {}
+            seen: dict[tuple[int, int], list[int]] = {}
+
+            def life(rank: int, life: int, steps: int | None) -> None:
+                with Consumer(name=name, group="job", rank=rank, world_size=2, label=f"{rank}/{life}") as c:
+                    if life:
+                        c.load_state_dict(states[rank])
+                    got = []
+                    for batch in c:
+                        got.append(batch[0].item() // ROWS)
+                        if steps is not None and len(got) == steps:
+                            states[rank] = c.state_dict()
+                            break
+                    seen[rank, life] = got
+
+            for life_number, steps in ((0, 2), (1, None)):
+                threads = [threading.Thread(target=life, args=(r, life_number, steps)) for r in range(2)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(timeout=30)
+    assert seen[0, 0] + seen[0, 1] == [0, 2, 4, 6] and seen[1, 0] + seen[1, 1] == [1, 3, 5, 7]
+
+
+# ---------------------------------------------------------------------- Lightning
+
+
+def _fit(name: str, ckpt_dir: str, resume: str | None, crash_at: int | None, out: Any) -> None:
+    import lightning as L
+
+    seen: list[int] = []
+
+    class Crash(Exception):
+        pass
+
+    class Model(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(ROWS, 1)
+
+        def training_step(self, batch: Any, index: int) -> torch.Tensor:
+            seen.append(int(batch[0]) // ROWS)
+            if crash_at is not None and len(seen) == crash_at:
+                raise Crash
+            return self.layer(batch.float()).sum()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    checkpoints = L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1)
+    trainer = L.Trainer(
+        max_epochs=2, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[checkpoints],
+    )  # fmt: skip
+    try:
+        with Consumer(name=name) as consumer:
+            trainer.fit(Model(), train_dataloaders=consumer, ckpt_path=resume)
+    except Crash:
+        pass
+    out.put(seen)
+
+
+def test_lightning_resumes_mid_epoch_from_its_checkpoint_exactly(name, tmp_path):
+    pytest.importorskip("lightning")
+    out = SPAWN.Queue()
+    ckpt = str(tmp_path / "ckpt")
+    with Producer(Ids(), name=name, slots=2) as producer:
+        with serving(producer, epochs=None):  # a daemon: the trainer restarts under it
+            p = SPAWN.Process(target=_fit, args=(name, ckpt, None, 5, out))
+            p.start()
+            before = out.get(timeout=120)
+            p.join(timeout=30)
+            last = os.path.join(ckpt, "epoch=0-step=3.ckpt")
+            wait_until(lambda: os.path.exists(last), 5, "the checkpoint")
+            p = SPAWN.Process(target=_fit, args=(name, ckpt, last, None, out))
+            p.start()
+            after = out.get(timeout=120)
+            p.join(timeout=30)
+    assert before == [0, 1, 2, 3, 4]  # it crashed at its 5th step; the checkpoint is after step 3
+    assert before[:3] + after == list(range(BATCHES)) * 2  # one uninterrupted run of 2 epochs
