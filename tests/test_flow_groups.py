@@ -385,6 +385,40 @@ class GroupMachine(RuleBasedStateMachine):
         self.memory[place] = -1  # whatever it held is forgotten
 
     @precondition(lambda self: self.flow is not None and not self.flow.ended)
+    @rule(data=st.data())
+    def restart_at_a_position(self, data: st.DataObject) -> None:
+        """An ungrouped consumer restarts from a state saved at one of the batches it was
+        sent: the new one starts exactly there when that batch and all after it are still
+        resident (its replay, in effect); else where its policy says."""
+        assert self.flow is not None
+        restartable = [
+            c for c, s in self.seen.items() if c in self.flow.consumers and s.group is None and s.entries
+            and any(e[0] != "end" for e in s.entries)
+        ]  # fmt: skip
+        if not restartable:
+            return
+        cid = data.draw(st.sampled_from(sorted(restartable)))
+        old = self.seen[cid]
+        position = data.draw(st.sampled_from([e for e in old.entries if e[0] != "end"]))
+        self._handle(self.flow.leave(cid))
+        old.held.clear()
+        seq = next(q for q, where in self.where.items() if where == position)
+        exact = all(
+            self.memory.get(self.flow._log[q].place) == q if self.flow._log.get(q) is not None
+            and self.flow._log[q].kind is BATCH else q in self.flow._log
+            for q in range(seq, self.flow.next_seq)
+        )  # fmt: skip
+        new = f"c{self.cids}"
+        self.cids += 1
+        self.seen[new] = Seen(None, old.rank, 0)
+        self._handle(self.flow.join(new, 4, at=position))
+        if exact:
+            assert self.seen[new].entries[:1] == [position], (position, self.seen[new].entries)
+            event("restarted exactly")
+        else:
+            event("restarted by policy")
+
+    @precondition(lambda self: self.flow is not None and not self.flow.ended)
     @rule(keep=st.integers(1, 2))
     def trainers_wait_holding_their_newest(self, keep: int) -> None:
         """No deadlock in DDP's lockstep: every consumer holds its newest ``keep`` batches
