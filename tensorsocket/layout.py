@@ -80,18 +80,30 @@ def _align(n: int) -> int:
 
 def plan(batch: Any) -> Plan:
     """Flatten ``batch``; raise TypeError naming the path of any leaf we cannot share."""
-    leaves: list[Leaf] = []
-    sources: list[torch.Tensor | np.ndarray] = []
-    offset = 0
+    planner = _Planner()
+    tree = planner.walk(batch, "batch", 0)
+    if len(planner.leaves) > MAX_LEAVES:
+        raise TypeError(f"batch has {len(planner.leaves)} tensor leaves; at most {MAX_LEAVES} are supported")
+    return Plan(tree, tuple(planner.leaves), tuple(planner.sources), planner.offset)
 
-    def add(dtype: str, shape: tuple[int, ...], nbytes: int, source: Any) -> int:
-        nonlocal offset
-        leaves.append(Leaf(dtype, shape, offset, nbytes))
-        sources.append(source)
-        offset = _align(offset + nbytes)
-        return len(leaves) - 1
 
-    def walk(node: Any, path: str, depth: int) -> Any:
+class _Planner:
+    """:func:`plan`'s walk. A class, not nested functions: a recursive closure is a reference
+    cycle, which kept every batch's sources (a DataLoader's shared-memory tensors) alive until
+    the cyclic GC ran (measured: 49 worker segments mapped in a producer instead of 13)."""
+
+    def __init__(self) -> None:
+        self.leaves: list[Leaf] = []
+        self.sources: list[torch.Tensor | np.ndarray] = []
+        self.offset = 0
+
+    def add(self, dtype: str, shape: tuple[int, ...], nbytes: int, source: Any) -> int:
+        self.leaves.append(Leaf(dtype, shape, self.offset, nbytes))
+        self.sources.append(source)
+        self.offset = _align(self.offset + nbytes)
+        return len(self.leaves) - 1
+
+    def walk(self, node: Any, path: str, depth: int) -> Any:
         if depth > MAX_DEPTH:
             raise TypeError(f"batch nests deeper than {MAX_DEPTH} levels at {path}")
         if isinstance(node, torch.Tensor):
@@ -104,7 +116,7 @@ def plan(batch: Any) -> Plan:
             name = str(t.dtype).removeprefix("torch.")
             if name not in TORCH_DTYPES:
                 raise TypeError(f"batch leaf {path} has dtype {t.dtype}, which cannot be shared")
-            return [TENSOR, add(name, tuple(t.shape), t.numel() * t.element_size(), t)]
+            return [TENSOR, self.add(name, tuple(t.shape), t.numel() * t.element_size(), t)]
         if isinstance(node, (np.ndarray, np.generic)) and not isinstance(node, (np.str_, np.bytes_)):
             a = np.asarray(node)
             a = a if a.flags.c_contiguous else a.copy(order="C")  # keeps 0-d as 0-d
@@ -114,7 +126,7 @@ def plan(batch: Any) -> Plan:
                     "and bool arrays can be shared"
                 )
             tag = ARRAY if isinstance(node, np.ndarray) else NPSCALAR
-            return [tag, add(a.dtype.str, tuple(a.shape), a.nbytes, a)]
+            return [tag, self.add(a.dtype.str, tuple(a.shape), a.nbytes, a)]
         if node is None or isinstance(node, (bool, int, float, str, bytes)):
             if isinstance(node, int) and not -(2**63) <= node < 2**64:
                 raise TypeError(f"batch leaf {path} is an int too large for 64 bits")
@@ -130,20 +142,15 @@ def plan(batch: Any) -> Plan:
                     raise TypeError(
                         f"batch dict at {path} has key {key!r}; only str and int keys are supported"
                     )
-                items.append([key, walk(child, f"{path}[{key!r}]", depth + 1)])
+                items.append([key, self.walk(child, f"{path}[{key!r}]", depth + 1)])
             return [DICT, items]
         if isinstance(node, (tuple, list)):
             tag = LIST if isinstance(node, list) else TUPLE
-            return [tag, [walk(c, f"{path}[{i}]", depth + 1) for i, c in enumerate(node)]]
+            return [tag, [self.walk(c, f"{path}[{i}]", depth + 1) for i, c in enumerate(node)]]
         raise TypeError(
             f"batch leaf {path} is a {type(node).__name__}; leaves must be tensors, NumPy "
             "arrays or None / bool / int / float / str / bytes"
         )
-
-    tree = walk(batch, "batch", 0)
-    if len(leaves) > MAX_LEAVES:
-        raise TypeError(f"batch has {len(leaves)} tensor leaves; at most {MAX_LEAVES} are supported")
-    return Plan(tree, tuple(leaves), tuple(sources), offset)
 
 
 def write(p: Plan, arena: torch.Tensor) -> None:

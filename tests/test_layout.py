@@ -819,3 +819,19 @@ def test_fingerprint_is_a_deterministic_u64(raw: bytes) -> None:
 
 def test_fingerprint_depends_on_length() -> None:
     assert layout.fingerprint(np.zeros(10, np.uint8)) != layout.fingerprint(np.zeros(11, np.uint8))
+
+
+def test_a_plan_leaves_no_reference_cycle_behind() -> None:
+    """A producer drops each loader batch (a DataLoader's shared-memory tensors) as soon as
+    it is written, not when the cyclic GC happens to run: planning makes no cycle."""
+    array = np.zeros(4)
+    alive = weakref.ref(array)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        p = layout.plan({"x": [array, torch.ones(2)]})
+        del p, array
+        assert alive() is None, "the plan's sources outlived it"
+    finally:
+        if enabled:
+            gc.enable()
