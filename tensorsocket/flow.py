@@ -143,6 +143,7 @@ class ConsumerState:
     cut_after: int | None = None
     broken: bool = False  # its group broke: sent nothing more, no cursor
     at: tuple[int, int] | None = None  # the position a restored group member asked for
+    ready: bool = True  # a group member: its trainer began iterating (its group may start)
     resume_index: int = 0  # waiting for the next epoch: start at this batch of it
 
     @property
@@ -238,19 +239,21 @@ class Flow:
         policy: LateJoin = LateJoin.REPLAY,
         member: Membership | None = None,
         at: tuple[int, int] | None = None,
+        ready: bool = True,
     ) -> list[Action]:
         """Add a consumer; ``prefetch`` is capped at the window. A ``member`` of a group
-        starts with the group, once all its ranks joined; ValueError naming a conflict with
-        the members already here (its rank taken, another size, tail or policy). ``at``
-        (epoch, index): a restored consumer's position, where it starts if that batch is
-        still resident or not yet published (else its policy applies)."""
+        starts with the group, once all its ranks joined and are ``ready`` (else they say so
+        with :meth:`ready`); ValueError naming a conflict with the members already here (its
+        rank taken, another size, tail or policy). ``at`` (epoch, index): a restored
+        consumer's position, where it starts if that batch is still resident or not yet
+        published (else its policy applies)."""
         if cid in self.consumers:
             raise ValueError(f"consumer {cid!r} already joined")
         if type(prefetch) is not int or prefetch < 1:
             raise ValueError(f"prefetch must be a positive int, got {prefetch!r}")
         policy = LateJoin(policy)
         if member is not None:
-            return self._join_group(cid, min(prefetch, self.window), policy, member, at)
+            return self._join_group(cid, min(prefetch, self.window), policy, member, at, ready)
         state = ConsumerState(prefetch=min(prefetch, self.window), cursor=None, policy=policy)
         self.consumers[cid] = state
         self._place(state, policy, at)
@@ -266,9 +269,9 @@ class Flow:
         if epoch == self.epoch + 1:  # it finished this epoch, or resumes past its start
             state.cursor, state.resume_index = None, index
         elif epoch in self._epoch_starts:
-            seq = self._epoch_starts[epoch] + index
-            total = self._epoch_batches.get(epoch)
-            if (total is None or index <= total) and seq >= self._oldest_replayable():
+            total = self._epoch_batches.get(epoch)  # an ended epoch: past its end is at its end
+            seq = self._epoch_starts[epoch] + (index if total is None else min(index, total))
+            if seq >= self._oldest_replayable():
                 state.cursor = seq  # resident from there on, or (this epoch) not yet published
 
     def _start(self, policy: LateJoin) -> int | None:
@@ -296,21 +299,47 @@ class Flow:
         return out + self._settle()
 
     def _join_group(
-        self, cid: Hashable, prefetch: int, policy: LateJoin, member: Membership, at: tuple[int, int] | None
+        self,
+        cid: Hashable,
+        prefetch: int,
+        policy: LateJoin,
+        member: Membership,
+        at: tuple[int, int] | None,
+        ready: bool,
     ) -> list[Action]:
         group = self._forming.add(cid, member, policy.value, self.window, self.max_lag is None)
         end = self.next_seq - 1 if self.ended else None  # the stream ended: it gets END, nothing to wait for
-        self.consumers[cid] = ConsumerState(prefetch, end, policy, group=group, rank=member.rank, at=at)
-        if group.started and not self.ended:  # complete: all start together (after END each is sent END)
-            self.add_places(self._forming.more_places(self.groups()))
-            members = [group.members[r] for r in range(group.size)]
-            states = [self.consumers[m] for m in members]
-            positions = {s.at for s in states}  # restored members resume where they all agree
-            self._place(states[0], policy, positions.pop() if len(positions) == 1 else None)
-            for s in states[1:]:
-                s.cursor, s.resume_index = states[0].cursor, states[0].resume_index
-            return self._begin(members)
-        return self._deliver(cid, self.consumers[cid])
+        self.consumers[cid] = ConsumerState(
+            prefetch, end, policy, group=group, rank=member.rank, at=at, ready=ready
+        )
+        return self._deliver(cid, self.consumers[cid]) + self._start_group(group)
+
+    def ready(self, cid: Hashable, at: tuple[int, int] | None = None) -> list[Action]:
+        """A group member is ready to be sent batches (its trainer began iterating), from
+        ``at`` if it was restored; the group starts once all its ranks are. Ignored for
+        anyone else, and when said again."""
+        state = self.consumers.get(cid)
+        if state is None or state.group is None or state.ready:
+            return []
+        state.ready, state.at = True, at
+        return self._start_group(state.group)
+
+    def _start_group(self, group: Group) -> list[Action]:
+        """Start a forming group once all its ranks joined and are ready (after END each
+        member is sent END on its own): from where their positions all agree (a round's
+        start), else where its policy says."""
+        states = [self.consumers[m] for m in group.members.values()]
+        if group.started or self.ended or len(states) < group.size or not all(s.ready for s in states):
+            return []
+        self._forming.start(group)
+        self.add_places(self._forming.more_places(self.groups()))
+        positions = {s.at for s in states}
+        at = positions.pop() if len(positions) == 1 else None
+        lead = states[0]
+        self._place(lead, lead.policy, None if at is None else (at[0], at[1] - at[1] % group.size))
+        for s in states[1:]:
+            s.cursor, s.resume_index = lead.cursor, lead.resume_index
+        return self._begin([group.members[r] for r in range(group.size)])
 
     def leave(self, cid: Hashable) -> list[Action]:
         """A consumer left or was evicted: drop it and everything it held. Idempotent. If it
@@ -455,8 +484,8 @@ class Flow:
             self._epoch_batches[self.epoch] = self._epoch_index
         self._clamp_cursors(end_seq)
         for state in self.consumers.values():
-            if state.cursor is None and not state.broken:  # a forming group will never start
-                state.cursor = end_seq
+            if state.cursor is None:  # a forming group will never start; a broken one's members go
+                state.cursor, state.cut_after = end_seq, None
         out = self._append(EntryKind.END, None, payload)
         self.ended = True
         return out
@@ -557,8 +586,13 @@ class Flow:
         return self.published - self._before[state.cursor]
 
     def _active(self) -> list[ConsumerState]:
-        """Consumers the stream is being sent to (not waiting for a boundary, not finished)."""
-        return [c for c in self.consumers.values() if c.cursor is not None and not c.finished]
+        """Consumers the stream is being sent to (not waiting for a boundary or, restored, for a
+        batch further on than the next one, not finished)."""
+        return [
+            c
+            for c in self.consumers.values()
+            if c.cursor is not None and c.cursor <= self.next_seq and not c.finished
+        ]
 
     def _leader_lag(self) -> int:
         return min((self._lag(c) for c in self._active()), default=0)

@@ -104,8 +104,7 @@ class Forming:
 
     def add(self, cid: Hashable, member: Membership, policy: str, window: int, stall: bool) -> Group:
         """Record ``cid`` as a member (ValueError naming a bad member or a conflict with the
-        ones already here, which then stay as they were); the group it joined, started
-        (and no longer forming) if it is now complete."""
+        ones already here, which then stay as they were); the group it joined."""
         name, rank, size = member.group, member.rank, member.size
         if not stall:
             raise ValueError(
@@ -145,10 +144,13 @@ class Forming:
             )
         group.members[rank] = cid
         self.groups[name] = group
-        if len(group.members) == size:
-            del self.groups[name]
-            group.started = True
         return group
+
+    def start(self, group: Group) -> None:
+        """All its ranks joined and are ready: it is no longer forming."""
+        if self.groups.get(group.name) is group:
+            del self.groups[group.name]
+        group.started = True
 
     def forget(self, group: Group, rank: int, cid: Hashable) -> None:
         """A member of a forming group left: one rank fewer."""

@@ -16,7 +16,7 @@ import msgpack
 
 from .errors import ProtocolError
 
-VERSION = 5
+VERSION = 6
 #: Largest frame a consumer may send; the producer also sets ZMQ_MAXMSGSIZE to this.
 MAX_REQUEST_BYTES = 64 * 1024
 #: Largest frame a producer may send (a BATCH whose layout has very many leaves).
@@ -33,8 +33,8 @@ TAILS = ("pad", "drop")
 
 
 class Kind(str, Enum):
-    """Message kinds. Consumer to producer: HELLO, RELEASE, HEARTBEAT, STATS, BYE, MODIFIED,
-    STATUS. Producer to consumer: WELCOME, ARENA, BATCH, SKIPPED, EPOCH_END, END, HEARTBEAT,
+    """Message kinds. Consumer to producer: HELLO, READY, RELEASE, HEARTBEAT, STATS, BYE,
+    MODIFIED, STATUS (READY: a group member began iterating, from a restored position or not). Producer to consumer: WELCOME, ARENA, BATCH, SKIPPED, EPOCH_END, END, HEARTBEAT,
     EVICTED, ERROR, STATUS, GROUP_BROKEN. END carries a reason when the producer stopped on an
     error; SKIPPED says how many batches a straggler was moved past, where the gap is;
     GROUP_BROKEN that another member of this consumer's group left (nothing more comes)."""
@@ -55,6 +55,7 @@ class Kind(str, Enum):
     EVICTED = "evicted"
     ERROR = "error"
     GROUP_BROKEN = "group_broken"
+    READY = "ready"
 
 
 def _int(lo: int = 0, hi: int = _MAX_INT) -> Callable[[Any], bool]:
@@ -91,6 +92,11 @@ def _group(v: Any) -> bool:
     )
 
 
+def _resume(v: Any) -> bool:
+    # [stream, epoch, index]: a restored consumer's position (see Consumer.load_state_dict)
+    return type(v) is list and len(v) == 3 and _str(64)(v[0]) and _int()(v[1]) and _int()(v[2])
+
+
 def _any(v: Any) -> bool:
     return True
 
@@ -115,10 +121,7 @@ SCHEMA: dict[Kind, dict[str, Callable[[Any], bool]]] = {
         "batch_size": _opt(_int(1, 1 << 31)),
         "device": _str(64),
         "group": _opt(_group),
-        # a restored consumer's position: [stream, epoch, index] (see Consumer.load_state_dict)
-        "resume": _opt(
-            lambda v: type(v) is list and len(v) == 3 and _str(64)(v[0]) and _int()(v[1]) and _int()(v[2])
-        ),
+        "resume": _opt(_resume),
     },
     Kind.WELCOME: {
         "pid": _int(1, (1 << 31) - 1),
@@ -154,6 +157,7 @@ SCHEMA: dict[Kind, dict[str, Callable[[Any], bool]]] = {
     Kind.EVICTED: {"reason": _str(4096)},
     Kind.ERROR: {"reason": _str(4096)},
     Kind.GROUP_BROKEN: {"reason": _str(4096), "at_once": lambda v: type(v) is bool},
+    Kind.READY: {"resume": _opt(_resume)},
 }
 
 

@@ -105,3 +105,39 @@ def test_a_group_whose_ranks_disagree_starts_by_its_policy():
     flow.join("r0", 4, member=Membership("job", 0, 2), at=(0, 2))
     out = flow.join("r1", 4, member=Membership("job", 1, 2), at=(0, 4))
     assert sent(out, "r0") == [(0, 0), (0, 2)]  # replay: the epoch from its start
+
+
+def test_a_group_starts_when_all_its_ranks_are_ready_whatever_order_they_load_their_states_in():
+    """Trainers construct their consumers, then load their checkpoints, then iterate: the
+    group waits for every rank to be ready (it began iterating) and starts from the position
+    they agree on, rounded to a round's start."""
+    flow = Flow(window=4, places=12)
+    flow.join("reader", 4)
+    run(flow, 6, [], release=("reader",))
+    assert flow.join("r0", 4, member=Membership("job", 0, 2), ready=False) == []
+    assert flow.ready("r0", at=(0, 5)) == []  # r1 has not even joined yet
+    assert flow.join("r1", 4, member=Membership("job", 1, 2), ready=False) == []
+    out = flow.ready("r1", at=(0, 5))
+    assert sent(out, "r0") == [(0, 4)] and sent(out, "r1") == [(0, 5)]
+    assert flow.ready("r1", at=(0, 0)) == []  # said again: ignored
+
+
+def test_a_position_past_an_ended_epochs_end_is_at_its_end_marker():
+    flow = Flow(window=4, places=12)
+    flow.join("reader", 4)
+    out: list = []
+    run(flow, 5, out, release=("reader",))
+    flow.end_epoch("end")
+    run(flow, 1, out, release=("reader",))
+    out = flow.join("r0", 4, member=Membership("job", 0, 2), at=(0, 6))  # pad: ceil(5 / 2) * 2
+    out += flow.join("r1", 4, member=Membership("job", 1, 2), at=(0, 6))
+    assert sent(out, "r0") == sent(out, "r1") == [("end", 0)]  # then epoch 1, a round at a time
+
+
+def test_under_skip_a_consumer_waiting_for_a_later_batch_is_not_the_leader():
+    flow = Flow(window=4, places=12, max_lag=2)
+    out: list = []
+    flow.join("slow", 1)
+    flow.join("restored", 4, at=(0, 50))
+    run(flow, 3, out)
+    assert not any(not isinstance(a, Deliver) for a in out), "the slow consumer was skipped"

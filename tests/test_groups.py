@@ -262,8 +262,11 @@ def test_status_shows_a_group_forming_then_running(name):
         (group,) = producer.status()["groups"]
         assert (group["name"], group["size"], group["state"], group["ranks"]) == ("job", 2, "forming", [0])
         second = Consumer(name=name, group="job", rank=1, world_size=2, label="r1")
+        assert producer.status()["groups"][0]["state"] == "forming"  # until every rank iterates
+        iter(first), iter(second)  # ready: after any load_state_dict
+        wait_until(lambda: producer.status()["groups"][0]["state"] == "running", 5, "the group to start")
         status = producer.status()
-        assert status["groups"][0]["state"] == "running" and status["groups"][0]["ranks"] == [0, 1]
+        assert status["groups"][0]["ranks"] == [0, 1]
         assert {(c["label"], c["group"], c["rank"]) for c in status["consumers"]} == {
             ("r0", "job", 0),
             ("r1", "job", 1),
@@ -343,3 +346,44 @@ def test_rank_and_world_size_default_to_torchruns_environment(name, monkeypatch)
             assert (c.group, c.rank, c.world_size) == ("job", 1, 2)
             wait_until(lambda: producer.status()["groups"], 5, "the member to join")
             assert producer.status()["groups"][0]["ranks"] == [1]
+
+
+def test_a_broken_groups_member_keeps_what_it_holds_past_its_timeout(name):
+    """After its group broke, a member that still holds a batch keeps heartbeating, so it is
+    not evicted and the producer never writes over the batch, while others go on."""
+    producer = Producer(make_loader(64), name=name, slots=2, replay=0)
+    try:
+        with serving(producer, epochs=1) as (thread, errors):
+            r0 = Consumer(name=name, group="job", rank=0, world_size=2, timeout=1.0, label="r0")
+            r1 = Consumer(name=name, group="job", rank=1, world_size=2, timeout=1.0, label="r1")
+            reader = Consumer(name=name, timeout=5.0, label="reader")
+            it0, it1 = iter(r0), iter(r1)
+            _, held = next(it0)
+            expected = held.clone()
+            next(it1)
+            r1.close()  # mid-epoch: the group breaks
+            wait_until(lambda: producer.status()["groups"][0]["state"] == "broken", 5, "the group to break")
+            time.sleep(0.3)  # its message on the way to r0
+            with pytest.raises(GroupBroken, match="rank 1 of group 'job'"):
+                next(it0)
+            everything: list[torch.Tensor] = []
+
+            def read() -> None:  # slowly: the stream goes on well past r0's timeout
+                for _, ids in reader:
+                    everything.append(ids.clone())
+                    time.sleep(0.2)
+
+            slow = threading.Thread(target=read)
+            slow.start()
+            time.sleep(1.5)
+            assert "r0" in [c["label"] for c in producer.status()["consumers"]]  # not evicted
+            slow.join(timeout=30)
+            assert torch.equal(held, expected), "a batch it held was written over"
+            assert sum(len(b) for b in everything) == 64
+            del held
+            r0.close()
+            reader.close()
+            thread.join(timeout=30)
+        assert not errors, errors
+    finally:
+        producer.close()

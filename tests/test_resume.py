@@ -97,7 +97,7 @@ def test_a_state_saved_before_anything_was_taken_starts_afresh_and_states_are_ch
                     ({}, "not a tensorsocket Consumer state"),
                     ({**fresh, "tensorsocket": 99}, "not a tensorsocket Consumer state"),
                     ({**fresh, "batch_size": 3}, "saved by a consumer with batch_size=3"),
-                    ({**fresh, "group": "job"}, "group='job'"),
+                    ({**fresh, "group": ["job", 2]}, r"group=\[.job., 2\]"),
                     (
                         {**fresh, "stream": "s", "epoch": -1, "index": 0, "offset": 0},
                         "epoch must be a non-negative",
@@ -147,21 +147,31 @@ def test_a_state_from_another_stream_joins_as_a_late_joiner(name, caplog):
                 assert "saved on another stream" in caplog.text and consumer.missed is None
 
 
-def test_a_restored_group_resumes_together(name):
+@pytest.mark.parametrize("stagger", [False, True], ids=["together", "one-loads-before-the-other-joins"])
+def test_a_restored_group_resumes_together(name, stagger):
+    """Both ranks save their state after 2 steps and stop (as a job killed after a
+    checkpoint); the restarted ranks construct, load and iterate, in any order."""
     with Producer(Ids(), name=name, slots=2) as producer:
         with serving(producer, epochs=1):
             states: dict[int, Any] = {}
             seen: dict[tuple[int, int], list[int]] = {}
+            saved = threading.Barrier(2, timeout=30)  # neither leaves (breaking the group) before both saved
+            loaded = threading.Event()
 
             def life(rank: int, life: int, steps: int | None) -> None:
+                if life and stagger and rank == 1:
+                    loaded.wait(30)  # rank 0 constructed and loaded before rank 1 even joins
                 with Consumer(name=name, group="job", rank=rank, world_size=2, label=f"{rank}/{life}") as c:
                     if life:
                         c.load_state_dict(states[rank])
+                        loaded.set()
                     got = []
                     for batch in c:
                         got.append(batch[0].item() // ROWS)
                         if steps is not None and len(got) == steps:
                             states[rank] = c.state_dict()
+                            del batch
+                            saved.wait()
                             break
                     seen[rank, life] = got
 

@@ -10,9 +10,10 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "tensorsocket"
 MAX_LINES = 400
 # The pure state machine: one job, long docstrings and invariants. Groups' joining and breaking
-# live in it, next to the cursors they move; their pure rules are in flow_groups.py.
-LIMITS = {"flow.py": 620}
-CLASS_LIMITS = {"Flow": 420}
+# and restored consumers' positions live in it, next to the cursors they move; the groups'
+# pure rules are in flow_groups.py.
+LIMITS = {"flow.py": 680}
+CLASS_LIMITS = {"Flow": 480}
 
 
 # Being split along their threads (issue 12): drop these entries once they are packages.

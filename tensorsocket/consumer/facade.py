@@ -188,7 +188,7 @@ class Consumer:
         StatefulDataLoader's ``state_dict``). A small dict of plain values."""
         batches = self._batches
         position = batches.position() if batches.taken_any else batches.restored
-        return resume.state_of(position, self.batch_size, self.group)
+        return resume.state_of(position, self.batch_size, self._group_key())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a :meth:`state_dict` saved earlier (a restarted trainer's checkpoint),
@@ -197,11 +197,17 @@ class Consumer:
         ``late_join`` says and logs how many batches it missed (``missed``). ValueError for a
         state of another kind, batch size or group."""
         self._check_open()
-        restored = resume.position_of(state, self.batch_size, self.group)
-        if self._batches.taken_any:
-            raise ValueError("load_state_dict() must come before this consumer hands out a batch")
+        restored = resume.position_of(state, self.batch_size, self._group_key())
+        if self._batches.taken_any or self._shared.ready is not None:
+            raise ValueError("load_state_dict() must come before iterating")
+        if self.group is not None:  # its group starts once every rank began iterating
+            self._batches.restore(restored)
+            return
         self._leave()
         self._join(self._settings, restored)
+
+    def _group_key(self) -> list[Any] | None:
+        return None if self.group is None else [self.group, self.world_size]
 
     @property
     def missed(self) -> int | None:

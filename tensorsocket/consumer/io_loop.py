@@ -23,7 +23,7 @@ from ..protocol import Kind
 from ..rebatch import batch_length
 from ..transport import Reader, open_reader
 from . import delivery
-from .shared import BATCH, END, EPOCH_END, SKIPPED, Settings, Shared
+from .shared import BATCH, END, EPOCH_END, ERROR, SKIPPED, Settings, Shared
 
 log = logging.getLogger("tensorsocket")
 
@@ -119,6 +119,7 @@ class ConsumerIo:
         self.producer_pid = welcome["pid"]
         self.producer_local = same_host(welcome["boot_id"], welcome["pidns"])
         self.heartbeat = min(welcome["heartbeat"], settings.timeout / 4)
+        self.ready_sent = False
 
     def serve(self) -> bool:
         """Turn until stopped (True: leave politely) or the stream is over for us (False)."""
@@ -154,6 +155,9 @@ class ConsumerIo:
             shared.wakeup.drain()
         if self.send_releases():
             clock.last_sent = now
+        if shared.ready is not None and not self.ready_sent:
+            self.ready_sent = True
+            self._send(protocol.encode(Kind.READY, resume=shared.ready[0]))
         if shared.stream_over:
             return True
         if now - clock.last_stats >= _STATS_EVERY:
@@ -225,13 +229,14 @@ class ConsumerIo:
                     shared.fail(shared.cut_off)
                     return False
                 elif kind is Kind.GROUP_BROKEN:
-                    # What we hold stays ours until released (the producer keeps protecting it),
-                    # so this thread goes on releasing; nothing more comes.
+                    # Nothing more comes, but what we hold stays ours until released: this thread
+                    # goes on heartbeating (not shared.fail: a silent consumer is evicted, and its
+                    # places reused under the batches it still holds) and releasing.
                     broken = GroupBroken(f"the producer at {self.endpoint} reports: {msg['reason']}")
                     log.error("%s", broken)
                     if msg["at_once"]:  # mid-epoch: the batches still queued are no use to DDP
                         shared.cut_off = broken
-                    shared.fail(broken)
+                    shared.queue.put((ERROR, broken))
                 elif kind is Kind.ERROR:
                     log.error("the producer at %s reports: %s", self.endpoint, msg["reason"])
                 elif kind is Kind.STATUS:

@@ -73,6 +73,12 @@ class Batches:
                 self.next_batch()
             except StopIteration:
                 break
+        if self.settings.group is not None and self.shared.ready is None:
+            # Its group may start now (all ranks ready): from the restored position, if any.
+            restored = self.restored
+            where = None if restored is None else [restored.stream, restored.epoch, restored.index]
+            self.shared.ready = [where]
+            self.shared.wakeup.wake()
         self.ready.clear()
         self.stop_pending = False
         if self.rebatcher is not None:
@@ -132,6 +138,12 @@ class Batches:
             self.pushed.popleft()  # all handed out: no position lies in it any more
         return out
 
+    def restore(self, position: Position | None) -> None:
+        """Start from ``position`` (a group member's, sent with its READY)."""
+        self.restored = position
+        if position is not None:
+            self.epoch, self.next_index = position.epoch, position.index
+
     def position(self) -> Position | None:
         """Where this consumer is: what a restored one continues from (None: nothing yet)."""
         if self.epoch is None:
@@ -146,7 +158,9 @@ class Batches:
         after a restore, say what was missed."""
         if self.restored is not None and not self.resume_checked:
             self.resume_checked = True
-            self._report_resume(epoch, index if kind == BATCH else self.batches_per_epoch or index)
+            size = 1 if self.settings.group is None else self.settings.group[2]
+            first = index - index % size if kind == BATCH else self.batches_per_epoch or index
+            self._report_resume(epoch, first)  # a rank's first batch is its round's start + rank
         self.last, self.taken_any = (epoch, index), True
         if kind == EPOCH_END:
             self.epoch, self.next_index = epoch + 1, 0

@@ -24,8 +24,9 @@ class Position:
     offset: int = 0
 
 
-def state_of(position: Position | None, batch_size: int | None, group: str | None) -> dict[str, Any]:
-    """The state dict for ``position`` (None: nothing taken yet, so a load starts afresh)."""
+def state_of(position: Position | None, batch_size: int | None, group: list[Any] | None) -> dict[str, Any]:
+    """The state dict for ``position`` (None: nothing taken yet, so a load starts afresh);
+    ``group`` is [name, world size] for a group member."""
     state: dict[str, Any] = {"tensorsocket": FORMAT, "batch_size": batch_size, "group": group}
     if position is not None:
         state.update(
@@ -34,9 +35,10 @@ def state_of(position: Position | None, batch_size: int | None, group: str | Non
     return state
 
 
-def position_of(state: Any, batch_size: int | None, group: str | None) -> Position | None:
+def position_of(state: Any, batch_size: int | None, group: list[Any] | None) -> Position | None:
     """The position a state dict holds; ValueError naming what is wrong with it or why it
-    does not fit this consumer (another batch size or group would resume somewhere else)."""
+    does not fit this consumer (another batch size, group or world size would resume
+    somewhere else: a group's shares depend on its size)."""
     if not isinstance(state, dict) or state.get("tensorsocket") != FORMAT:
         raise ValueError(
             f"not a tensorsocket Consumer state (version {FORMAT}): {str(state)[:200]}; pass what "
@@ -45,7 +47,8 @@ def position_of(state: Any, batch_size: int | None, group: str | None) -> Positi
     if state.get("batch_size") != batch_size or state.get("group") != group:
         raise ValueError(
             f"the state was saved by a consumer with batch_size={state.get('batch_size')!r}, "
-            f"group={state.get('group')!r}; this one has batch_size={batch_size!r}, group={group!r}"
+            f"group={state.get('group')!r} ([name, world_size]); this one has batch_size={batch_size!r}, "
+            f"group={group!r}"
         )
     if "stream" not in state:
         return None

@@ -11,6 +11,8 @@ one writer (or a thread-safe container), as listed here.
   the caller's thread pops it and raises BatchModified.
 * ``cut_off``, ``stream_over``, ``io_tick``: the I/O thread only; the caller's thread reads.
 * ``synced`` (Event): the I/O thread clears it after a freeze and sets it at the answer.
+* ``ready``: a group member's READY to send (its restored position or None, in a list), set
+  once by the caller's thread when it begins iterating; the I/O thread sends it once.
 * ``taken_batches``, ``taken_samples``, ``waiting``, ``wait_started``: the caller's thread
   only; the I/O thread reads them for its STATS reports.
 * ``stop`` (Event): close() sets it; ``wakeup``: any thread pokes it.
@@ -68,6 +70,7 @@ class Shared:
     taken_samples: int = 0
     waiting: float = 0.0
     wait_started: float | None = None  # inside next() since then: a wait in progress counts
+    ready: list[Any] | None = None
 
     def __post_init__(self) -> None:
         self.synced.set()

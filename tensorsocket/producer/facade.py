@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import shutil
+import threading
 import time
 import uuid
 import warnings
@@ -87,6 +88,7 @@ class Producer:
             self.batches_per_epoch = None
         self.samples_per_epoch = _samples_per_epoch(loader)
         self._closed = True  # until everything below exists: nothing to close, no warning
+        self._close_lock = threading.RLock()
         self._lock_file = endpoints.lock(self.endpoint)
         try:
             store = open_store(device)
@@ -177,9 +179,14 @@ class Producer:
 
     def close(self, reason: str | None = None) -> None:
         """End the stream (consumers get a clean end, or ``reason``), wait up to ``linger``
-        seconds for them to be sent it, then stop and free the arenas. Idempotent."""
-        if self._closed:
-            return
+        seconds for them to be sent it, then stop and free the arenas. Idempotent, and safe to
+        call from several threads (serve() ends with it while the caller may close too): one
+        closes, the others wait for it."""
+        with self._close_lock:
+            if not self._closed:
+                self._close(reason)
+
+    def _close(self, reason: str | None) -> None:
         shared, publisher = self._shared, self._publisher
         publisher.closing = True
         try:

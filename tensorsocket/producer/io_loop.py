@@ -160,6 +160,8 @@ class IoLoop:
             if kind is not Kind.BYE:
                 reason = "unknown consumer: it was evicted or never joined"
                 shared.outbox.append((cid, protocol.encode(Kind.EVICTED, reason=reason)))
+        elif kind is Kind.READY:
+            shared.send_all(shared.flow.ready(cid, self._position(msg["resume"])))
         elif kind is Kind.RELEASE:
             shared.send_all(shared.flow.release(cid, msg["seqs"]))
         elif kind is Kind.BYE:
@@ -179,6 +181,13 @@ class IoLoop:
             )
         elif kind is not Kind.HEARTBEAT:
             raise ProtocolError(f"a consumer may not send {kind.value} messages")
+
+    def _position(self, resume: list[Any] | None) -> tuple[int, int] | None:
+        """A restored consumer's (epoch, index); None for a position on another stream (an
+        earlier producer's: its numbers mean nothing here)."""
+        if resume is None or resume[0] != self.shared.config.stream:
+            return None
+        return resume[1], resume[2]
 
     def _holders_of(self, cid: bytes, seq: int) -> str:
         """Who holds batch ``seq`` besides ``cid`` (which reports it): their descriptions."""
@@ -202,9 +211,16 @@ class IoLoop:
             group, rank, size, tail = msg["group"]
             member = Membership(group, rank, size, Tail(tail))
         try:
-            resume = msg["resume"]  # a position on another stream (an earlier producer's) means nothing here
-            at = (resume[1], resume[2]) if resume is not None and resume[0] == config.stream else None
-            actions = shared.flow.join(cid, msg["prefetch"], LateJoin(msg["late_join"]), member, at)
+            # A group member starts with its group once every rank is READY (began iterating:
+            # after any load_state_dict, whatever order the trainers start in).
+            actions = shared.flow.join(
+                cid,
+                msg["prefetch"],
+                LateJoin(msg["late_join"]),
+                member,
+                self._position(msg["resume"]),
+                member is None,
+            )
         except ValueError as exc:  # a group member that conflicts with the others
             log.warning("refused %s: %s", peer.describe(), exc)
             shared.outbox.append((cid, protocol.encode(Kind.ERROR, reason=str(exc))))
