@@ -352,9 +352,8 @@ class Flow:
             self._places[place].holders.discard(cid)
         out = self._break_group(cid, state) if state.group is not None else []
         self._trim()
-        return (
-            out + self._settle()
-        )  # (no other actions: the leader leaving only shortens the others' distance)
+        # (_settle sends nothing here: the leader leaving only shortens the others' distance)
+        return out + self._settle()
 
     def _break_group(self, cid: Hashable, state: ConsumerState) -> list[Action]:
         group = state.group

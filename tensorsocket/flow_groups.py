@@ -5,8 +5,8 @@ Batch ``i`` of an epoch goes to rank ``i % size``, one *round* of ``size`` batch
 a round is sent once all of it is published (or its epoch ended), so the short last round of
 an epoch can follow the group's :class:`Tail` and every rank gets the same number of batches
 per epoch (DDP's all-reduces line up; a user computes the same shares from a plain
-DataLoader with :func:`share`). A group starts only when all ``size`` ranks joined, at an
-epoch's first batch (late-join policies ``replay`` or ``next_epoch``), as a unit; the
+DataLoader with :func:`share`). A group starts only when all ``size`` ranks joined and are
+ready (began iterating, after any restore), at an epoch's first batch (late-join policies ``replay`` or ``next_epoch``), as a unit; the
 producer's window must hold a round (``size <= slots``). A member that leaves breaks it: the
 others are sent nothing more (a :class:`GroupBroken` action each) right away, or, when it left
 having been sent all of an epoch's share, once they were sent theirs.

@@ -34,8 +34,9 @@ TAILS = ("pad", "drop")
 
 class Kind(str, Enum):
     """Message kinds. Consumer to producer: HELLO, READY, RELEASE, HEARTBEAT, STATS, BYE,
-    MODIFIED, STATUS (READY: a group member began iterating, from a restored position or not). Producer to consumer: WELCOME, ARENA, BATCH, SKIPPED, EPOCH_END, END, HEARTBEAT,
-    EVICTED, ERROR, STATUS, GROUP_BROKEN. END carries a reason when the producer stopped on an
+    MODIFIED, STATUS (READY: a group member began iterating, from a restored position or not).
+    Producer to consumer: WELCOME, ARENA, BATCH, SKIPPED, EPOCH_END, END, HEARTBEAT, EVICTED,
+    ERROR, STATUS, GROUP_BROKEN. END carries a reason when the producer stopped on an
     error; SKIPPED says how many batches a straggler was moved past, where the gap is;
     GROUP_BROKEN that another member of this consumer's group left (nothing more comes)."""
 

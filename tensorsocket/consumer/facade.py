@@ -68,8 +68,8 @@ class Consumer:
     an epoch goes to rank ``i % world_size``; every rank gets the same number of batches per
     epoch, so all-reduces line up: ``group_tail="pad"`` sends the short last round again to
     the ranks it lacks (as DistributedSampler pads), ``"drop"`` drops it. Consumers of other
-    groups, or of none, see the whole stream. The group starts when all its ranks joined; if
-    one leaves or dies, the others raise :class:`GroupBroken`.
+    groups, or of none, see the whole stream. The group starts when all its ranks joined and
+    began iterating; if one leaves or dies, the others raise :class:`GroupBroken`.
     """
 
     def __init__(

@@ -43,6 +43,7 @@ class Batches:
     ) -> None:
         self.shared, self.settings, self.reader, self.io = shared, settings, reader, io
         self.slots, self.rebatcher = slots, rebatcher
+        self.group_size = 1 if settings.group is None else settings.group[2]  # 1: not in a group
         # Where this consumer is (see consumer/resume.py): the next producer batch of the epoch
         # in progress; with a re-cut, the producer batches of the epoch pushed (index, first
         # sample's number, samples) and the samples handed out
@@ -63,7 +64,8 @@ class Batches:
         self.skipped = 0  # batches the producer moved this consumer past (stragglers="skip")
         self.skipped_epoch = 0
         self.first_batch = True
-        self.samples: int | None = None  # of the last batch next_batch() returned (the I/O thread counts)
+        # of the last batch returned: a producer batch (the I/O thread counts) or a re-cut one
+        self.samples: int | None = None
 
     def start_epoch(self) -> None:
         """A new epoch: if the previous one's loop was left early, skip the rest of it (as a
@@ -83,25 +85,19 @@ class Batches:
         self.stop_pending = False
         if self.rebatcher is not None:
             self.rebatcher.flush()  # drop a remainder left behind by a loop that broke early
-            self.pushed.clear()
-            self.handed = 0
+            self._forget_pushed()
 
     def next_for_user(self) -> Any:
         """The next batch in this consumer's batch size; StopIteration at the epoch's end."""
         shared = self.shared
         t0 = shared.wait_started = time.monotonic()
         try:
-            if self.rebatcher is None:
-                batch = self.next_batch()
-                samples = self.samples
-            else:
-                batch = self._next_rebatched()
-                samples = batch_length(batch)
+            batch = self.next_batch() if self.rebatcher is None else self._next_rebatched()
         finally:
             shared.waiting += time.monotonic() - t0
             shared.wait_started = None
         shared.taken_batches += 1
-        shared.taken_samples += samples or 0
+        shared.taken_samples += self.samples or 0
         return batch
 
     def _next_rebatched(self) -> Any:
@@ -109,21 +105,19 @@ class Batches:
         while not self.ready:
             if self.stop_pending:
                 self.stop_pending = False
-                self.pushed.clear()
-                self.handed = 0
+                self._forget_pushed()
                 raise StopIteration
             try:
                 batch = self.next_batch()
             except StopIteration:
                 tail = self.rebatcher.flush()
                 if tail is None:
-                    self.pushed.clear()
-                    self.handed = 0
+                    self._forget_pushed()
                     raise
                 self.ready.append(tail)
                 self.stop_pending = True
                 continue
-            n, first = batch_length(batch) or 0, 0
+            n, first = self.samples or 0, 0  # (counted by the I/O thread)
             if self.restored is not None and self.last == (self.restored.epoch, self.restored.index):
                 first = self.restored.offset  # handed out before the state was saved
                 self.restored = None
@@ -133,10 +127,16 @@ class Batches:
             self.pushed.append((self.last[1], start, n))
             self.ready.extend(self.rebatcher.push(batch, first))
         out = self.ready.popleft()
-        self.handed += batch_length(out) or 0
+        self.samples = batch_length(out)  # of the batch handed out, as next_batch() sets it
+        self.handed += self.samples or 0
         while len(self.pushed) > 1 and self.pushed[0][1] + self.pushed[0][2] <= self.handed:
             self.pushed.popleft()  # all handed out: no position lies in it any more
         return out
+
+    def _forget_pushed(self) -> None:
+        """The re-cut epoch is over: no position lies in its producer batches any more."""
+        self.pushed.clear()
+        self.handed = 0
 
     def restore(self, position: Position | None) -> None:
         """Start from ``position`` (a group member's, sent with its READY)."""
@@ -158,15 +158,13 @@ class Batches:
         after a restore, say what was missed."""
         if self.restored is not None and not self.resume_checked:
             self.resume_checked = True
-            size = 1 if self.settings.group is None else self.settings.group[2]
-            first = index - index % size if kind == BATCH else self.batches_per_epoch or index
+            first = index - index % self.group_size if kind == BATCH else self.batches_per_epoch or index
             self._report_resume(epoch, first)  # a rank's first batch is its round's start + rank
         self.last, self.taken_any = (epoch, index), True
         if kind == EPOCH_END:
             self.epoch, self.next_index = epoch + 1, 0
             return
-        group = self.settings.group
-        size = 1 if group is None else group[2]  # a group resumes at a round's start
+        size = self.group_size  # a group resumes at a round's start
         self.epoch, self.next_index = epoch, (index // size + 1) * size
 
     def _report_resume(self, epoch: int, index: int) -> None:
@@ -219,8 +217,7 @@ class Batches:
                 self.reader.handed_out(token)
             if self.first_batch:
                 self.first_batch = False
-                size = 1 if self.settings.group is None else self.settings.group[2]
-                if index >= size and not self.resume_checked:  # (a restored one said where it is)
+                if index >= self.group_size and not self.resume_checked:  # (a restored one said where it is)
                     log.warning(
                         "consumer %r joined epoch %d at its batch %d (late_join=%r): this first epoch is partial",
                         self.settings.label,

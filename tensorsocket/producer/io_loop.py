@@ -262,6 +262,8 @@ class IoLoop:
         state = shared.flow.consumers.get(cid)
         if peer is not None and state is not None and state.group is not None:
             shared.departed[cid] = f"{peer.describe()} {why}"  # named in its group's GROUP_BROKEN
+            if len(shared.departed) > 256:  # the last few are enough
+                shared.departed.popitem(last=False)
         shared.send_all(shared.flow.leave(cid))
         if peer is not None:
             log.info("%s %s (%d connected)", peer.describe(), why, len(shared.peers))

@@ -105,8 +105,6 @@ class Shared:
             else:
                 assert isinstance(action, GroupBroken)
                 self.outbox.append((action.consumer, self._group_broken(action)))
-        while len(self.departed) > 256:
-            self.departed.popitem(last=False)
 
     def _group_broken(self, action: GroupBroken) -> bytes:
         who = self.departed.get(action.lost, "left")
