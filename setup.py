@@ -23,6 +23,7 @@ setup(
     extras_require={
         "gpu": ["cupy-cuda12x>=13", "nvidia-ml-py>=12"],
         "bench": ["matplotlib>=3.7"],
+        "stateful": ["torchdata>=0.10"],  # StatefulDataLoader: restarts resume from its own state
         "dev": [
             "pytest>=8",
             "pytest-timeout>=2.2",
@@ -30,6 +31,7 @@ setup(
             "ruff>=0.5",
             "psutil>=5.9",
             "lightning>=2.2",  # a real client in the tests (tests/test_clients.py)
+            "torchdata>=0.10",  # StatefulDataLoader under producer restarts (tests/test_restart.py)
         ],
     },
 )

@@ -37,7 +37,7 @@ consumers whose cursors pass over the batches that are not theirs; a member is s
 batch once its round is decided. A group starts complete, as a unit; a member leaving breaks
 it, and the others are sent nothing more (they stay, holding what they hold, until they go).
 
-Invariants (checked by :func:`check_invariants`):
+Invariants (checked by :func:`tensorsocket.flow_invariants.check_invariants`):
 
 * every place is FREE (never written), FILLING (reserved by the producer, no holders) or
   PUBLISHED (holds batch ``seq``; its holders are exactly the consumers holding ``seq``);
@@ -143,6 +143,7 @@ class ConsumerState:
     cut_after: int | None = None
     broken: bool = False  # its group broke: sent nothing more, no cursor
     at: tuple[int, int] | None = None  # the position a restored group member asked for
+    rejoined: bool = False  # ``at`` is where it rejoins a restarted producer (what it received)
     ready: bool = True  # a group member: its trainer began iterating (its group may start)
     resume_index: int = 0  # waiting for the next epoch: start at this batch of it
 
@@ -240,20 +241,22 @@ class Flow:
         member: Membership | None = None,
         at: tuple[int, int] | None = None,
         ready: bool = True,
+        rejoined: bool = False,
     ) -> list[Action]:
         """Add a consumer; ``prefetch`` is capped at the window. A ``member`` of a group
         starts with the group, once all its ranks joined and are ``ready`` (else they say so
         with :meth:`ready`); ValueError naming a conflict with the members already here (its
         rank taken, another size, tail or policy). ``at`` (epoch, index): a restored
         consumer's position, where it starts if that batch is still resident or not yet
-        published (else its policy applies)."""
+        published (else its policy applies); ``rejoined``: ``at`` is the batch after the last
+        one it received from a producer that died (see :meth:`ready`)."""
         if cid in self.consumers:
             raise ValueError(f"consumer {cid!r} already joined")
         if type(prefetch) is not int or prefetch < 1:
             raise ValueError(f"prefetch must be a positive int, got {prefetch!r}")
         policy = LateJoin(policy)
         if member is not None:
-            return self._join_group(cid, min(prefetch, self.window), policy, member, at, ready)
+            return self._join_group(cid, min(prefetch, self.window), policy, member, at, ready, rejoined)
         state = ConsumerState(prefetch=min(prefetch, self.window), cursor=None, policy=policy)
         self.consumers[cid] = state
         self._place(state, policy, at)
@@ -306,37 +309,51 @@ class Flow:
         member: Membership,
         at: tuple[int, int] | None,
         ready: bool,
+        rejoined: bool,
     ) -> list[Action]:
         group = self._forming.add(cid, member, policy.value, self.window, self.max_lag is None)
         end = self.next_seq - 1 if self.ended else None  # the stream ended: it gets END, nothing to wait for
         self.consumers[cid] = ConsumerState(
-            prefetch, end, policy, group=group, rank=member.rank, at=at, ready=ready
+            prefetch, end, policy, group=group, rank=member.rank, at=at, ready=ready, rejoined=rejoined
         )
         return self._deliver(cid, self.consumers[cid]) + self._start_group(group)
 
-    def ready(self, cid: Hashable, at: tuple[int, int] | None = None) -> list[Action]:
+    def ready(self, cid: Hashable, at: tuple[int, int] | None = None, rejoined: bool = False) -> list[Action]:
         """A group member is ready to be sent batches (its trainer began iterating), from
-        ``at`` if it was restored; the group starts once all its ranks are. Ignored for
+        ``at`` if it was restored (``rejoined``: it rejoins a restarted producer, and ``at``
+        follows what it received); the group starts once all its ranks are. Ignored for
         anyone else, and when said again."""
         state = self.consumers.get(cid)
         if state is None or state.group is None or state.ready:
             return []
-        state.ready, state.at = True, at
+        state.ready, state.at, state.rejoined = True, at, rejoined
         return self._start_group(state.group)
 
     def _start_group(self, group: Group) -> list[Action]:
         """Start a forming group once all its ranks joined and are ready (after END each
         member is sent END on its own): from where their positions all agree (a round's
-        start), else where its policy says."""
+        start), else where its policy says. Ranks rejoining a restarted producer may disagree
+        by what was in flight when it died: they start at the earliest, and each drops what
+        it already received."""
         states = [self.consumers[m] for m in group.members.values()]
         if group.started or self.ended or len(states) < group.size or not all(s.ready for s in states):
             return []
         self._forming.start(group)
         self.add_places(self._forming.more_places(self.groups()))
         positions = {s.at for s in states}
+        rejoined = all(s.rejoined for s in states)
         at = positions.pop() if len(positions) == 1 else None
+        if at is None and None not in positions and rejoined:
+            at = min(positions)  # type: ignore[type-var]
+        if at is not None:
+            index = at[1] - at[1] % group.size
+            if rejoined and at[0] in self._epoch_starts:  # a successor may restart inside a round:
+                first = self._oldest_replayable() - self._epoch_starts[at[0]]  # start there if no
+                needs = min(m.at[1] + m.rank for m in states if m.at[0] == at[0])  # rank lacks a batch before
+                index = max(index, first) if first <= needs else index
+            at = (at[0], index)
         lead = states[0]
-        self._place(lead, lead.policy, None if at is None else (at[0], at[1] - at[1] % group.size))
+        self._place(lead, lead.policy, at)
         for s in states[1:]:
             s.cursor, s.resume_index = lead.cursor, lead.resume_index
         return self._begin([group.members[r] for r in range(group.size)])
@@ -400,6 +417,38 @@ class Flow:
         return out
 
     # ------------------------------------------------------------------ producer side
+
+    def start_at(self, epoch: int, first_seq: int, index: int) -> None:
+        """Continue a stream a producer that died published (before anyone joins): its batch
+        ``index`` of ``epoch``, whose first entry was ``first_seq``, is published next, with
+        the numbers it had. Nothing before it is resident."""
+        if self.next_seq or self.consumers:
+            raise RuntimeError("start_at() comes before anything is published or joins")
+        for name, value in (("epoch", epoch), ("first_seq", first_seq), ("index", index)):
+            if type(value) is not int or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        self.epoch, self._epoch_start, self._epoch_starts = epoch, first_seq, {epoch: first_seq}
+        self.next_seq = self._replay_from = first_seq + index
+        self._epoch_index = index
+        self._replay_open = index == 0
+
+    def restart_point(self) -> int:
+        """The oldest entry some consumer may not have received: one it holds (sent, maybe
+        still in flight when the producer dies) or was not sent yet. A restarted producer
+        publishes again from here, so everyone can rejoin where it is."""
+        needed = [self.next_seq]
+        for c in self.consumers.values():
+            if c.finished or c.broken:
+                continue
+            needed.extend(c.held)
+            if c.cursor is not None:
+                needed.append(c.cursor)
+        return min(needed)
+
+    def keep_from(self) -> int:
+        """The oldest entry a consumer may still be sent, now or after joining (a replay):
+        the restart point may move back to here, never further."""
+        return min(self.restart_point(), self._oldest_replayable())
 
     def add_places(self, n: int) -> None:
         """More places (the producer sizes its replay buffer once it knows a batch's bytes)."""
@@ -643,35 +692,3 @@ class Flow:
             for table in (self._epoch_batches, self._epoch_starts):
                 for epoch in [e for e in table if e < oldest]:
                     del table[epoch]
-
-
-def check_invariants(flow: Flow) -> None:
-    """Assert every invariant of the module docstring (tests call it after every event)."""
-    for i, s in enumerate(flow._places):
-        if s.state is not PlaceState.PUBLISHED:
-            assert s.seq is None and not s.holders, (i, s)
-        for cid in s.holders:
-            assert flow.consumers[cid].held.get(s.seq) == i, (i, s, cid)  # type: ignore[arg-type]
-    for cid, c in flow.consumers.items():
-        for seq, place in c.held.items():
-            assert flow._places[place].seq == seq and cid in flow._places[place].holders
-            assert c.broken or (c.cursor is not None and seq < c.cursor)
-        assert len(c.held) <= c.prefetch <= flow.window
-        if c.cursor is not None:
-            for seq in range(c.cursor, flow.next_seq):
-                assert seq in flow._log, (cid, seq)
-                assert flow._resident(seq), (cid, seq)
-        if not c.catching_up:
-            assert flow._within_limit(c, flow._leader_lag()), ("lags too far", cid, c, flow._leader_lag())
-    if flow._replay_open and not flow.ended:
-        for seq in range(flow._epoch_start, flow.next_seq):
-            assert flow._resident(seq), ("replay window lost", seq)
-    batches = sum(e.kind is EntryKind.BATCH for e in flow._log.values())
-    assert batches <= len(flow._places), ("log holds non-resident batches", batches)
-    assert set(flow._before) == set(flow._log)
-    assert sorted(flow._free) == [i for i, x in enumerate(flow._places) if x.state is PlaceState.FREE]
-    seqs = [flow._places[i].seq for i in flow._published]
-    assert seqs == sorted(seqs) and len(set(flow._published)) == len(flow._published)
-    assert set(flow._published) == {i for i, x in enumerate(flow._places) if x.state is PlaceState.PUBLISHED}
-    for seq in range(flow._oldest_replayable(), flow.next_seq):
-        assert flow._resident(seq), ("not resident", seq)

@@ -16,7 +16,7 @@ import msgpack
 
 from .errors import ProtocolError
 
-VERSION = 6
+VERSION = 7
 #: Largest frame a consumer may send; the producer also sets ZMQ_MAXMSGSIZE to this.
 MAX_REQUEST_BYTES = 64 * 1024
 #: Largest frame a producer may send (a BATCH whose layout has very many leaves).
@@ -94,8 +94,21 @@ def _group(v: Any) -> bool:
 
 
 def _resume(v: Any) -> bool:
-    # [stream, epoch, index]: a restored consumer's position (see Consumer.load_state_dict)
-    return type(v) is list and len(v) == 3 and _str(64)(v[0]) and _int()(v[1]) and _int()(v[2])
+    # [stream, epoch, index, rejoined]: a restored consumer's position (Consumer.load_state_dict),
+    # or (rejoined) the batch after the last one it received from a producer that died
+    return (
+        type(v) is list
+        and len(v) == 4
+        and _str(64)(v[0])
+        and _int()(v[1])
+        and _int()(v[2])
+        and type(v[3]) is bool
+    )
+
+
+def _restarted(v: Any) -> bool:
+    # [stream, epoch]: this stream replaced that one, whose epoch it publishes again from its start
+    return type(v) is list and len(v) == 2 and _str(64)(v[0]) and _int()(v[1])
 
 
 def _any(v: Any) -> bool:
@@ -136,6 +149,7 @@ SCHEMA: dict[Kind, dict[str, Callable[[Any], bool]]] = {
         "arenas": lambda v: type(v) is list and len(v) <= 1 << 16 and all(map(_arena, v)),
         "heartbeat": _num(0.001, 3600.0),
         "stream": _str(64),  # this stream's id: a consumer's saved position is only good on it
+        "restarted": _opt(_restarted),
     },
     Kind.ARENA: {"arena": _arena},
     Kind.BATCH: {

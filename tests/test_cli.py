@@ -420,8 +420,9 @@ def test_serve_options_reach_the_producer() -> None:
     options = producer_options(parser.parse_args(["serve", "m:f", "--replay", "512M", "--grace", "2.5"]))
     assert options == {
         "device": "cpu", "slots": 8, "replay": 512 << 20, "min_consumers": 1, "grace": 2.5,
-        "stragglers": "stall", "max_lag": None, "linger": 10.0,
+        "stragglers": "stall", "max_lag": None, "linger": 10.0, "resume": False,
     }  # fmt: skip
+    assert producer_options(parser.parse_args(["serve", "m:f", "--resume"]))["resume"] is True
     assert producer_options(parser.parse_args(["serve", "m:f"]))["replay"] is None  # the library default
     implied = producer_options(parser.parse_args(["serve", "m:f", "--max-lag", "3"]))
     assert implied["stragglers"] == "skip" and implied["max_lag"] == 3

@@ -17,7 +17,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from tensorsocket.flow import Deliver, Entry, EntryKind, Flow, LateJoin, Skipped, check_invariants
+from tensorsocket.flow import Deliver, Entry, EntryKind, Flow, LateJoin, Skipped
+from tensorsocket.flow_invariants import check_invariants
 
 BATCH, EPOCH_END, END = EntryKind.BATCH, EntryKind.EPOCH_END, EntryKind.END
 CIDS = st.sampled_from(["a", "b", "c", "d"])

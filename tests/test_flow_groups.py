@@ -19,8 +19,8 @@ from tensorsocket.flow import (
     LateJoin,
     Membership,
     Tail,
-    check_invariants,
 )
+from tensorsocket.flow_invariants import check_invariants
 
 BATCH, EPOCH_END, END = EntryKind.BATCH, EntryKind.EPOCH_END, EntryKind.END
 

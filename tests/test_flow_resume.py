@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tensorsocket.flow import Deliver, EntryKind, Flow, LateJoin, Membership, check_invariants
+from tensorsocket.flow import Deliver, EntryKind, Flow, LateJoin, Membership
+from tensorsocket.flow_invariants import check_invariants
 
 BATCH, EPOCH_END = EntryKind.BATCH, EntryKind.EPOCH_END
 
@@ -141,3 +142,79 @@ def test_under_skip_a_consumer_waiting_for_a_later_batch_is_not_the_leader():
     flow.join("restored", 4, at=(0, 50))
     run(flow, 3, out)
     assert not any(not isinstance(a, Deliver) for a in out), "the slow consumer was skipped"
+
+
+# ---------------------------------------------------------------------- a restarted producer
+
+
+def test_a_successor_continues_the_numbers_and_places_rejoiners_at_their_positions():
+    """start_at: batch 5 of epoch 2 (whose first entry was seq 40) is published next, as seq
+    45; a consumer at or past it starts there, one behind it follows its policy."""
+    flow = Flow(window=4, places=8)
+    flow.start_at(2, 40, 5)
+    out: list = []
+    out += flow.join("at", 4, at=(2, 5))
+    out += flow.join("ahead", 4, at=(2, 7))  # it had received 5 and 6 before the crash
+    out += flow.join("behind", 4, at=(2, 3))  # not resident: replay is not open mid-epoch
+    check_invariants(flow)
+    run(flow, 4, out, release=("at", "ahead"))
+    assert sent(out, "at") == [(2, 5), (2, 6), (2, 7), (2, 8)]
+    assert sent(out, "ahead") == [(2, 7), (2, 8)]
+    assert sent(out, "behind") == []  # waits for epoch 3
+    assert [a.entry.seq for a in out if isinstance(a, Deliver) and a.consumer == "at"] == [45, 46, 47, 48]
+    out += flow.end_epoch("end")
+    assert flow.epoch == 3 and flow.next_seq == 50
+    run(flow, 1, out, release=("at", "ahead", "behind"))
+    assert sent(out, "behind") == [(3, 0)]  # its policy: the next epoch
+
+
+def test_start_at_comes_first_and_checks_its_numbers():
+    flow = Flow(window=2)
+    with pytest.raises(ValueError, match="index"):
+        flow.start_at(0, 0, -1)
+    flow.join("c", 2)
+    with pytest.raises(RuntimeError, match="before"):
+        flow.start_at(1, 10, 0)
+
+
+def test_the_restart_point_is_the_oldest_entry_someone_may_not_have_received():
+    flow = Flow(window=4, places=8)
+    out: list = []
+    flow.join("fast", 4)
+    flow.join("slow", 4)
+    run(flow, 3, out, release=("fast",))
+    assert flow.restart_point() == 0  # slow holds 0..2: they may have been in flight
+    flow.release("slow", [0, 1])
+    assert flow.restart_point() == 2
+    flow.release("slow", [2])
+    assert flow.restart_point() == 3 == flow.next_seq  # everyone has everything
+    out += flow.join("late", 4)  # replay: the epoch from its start again
+    assert flow.restart_point() == 0 and flow.keep_from() == 0
+    flow.leave("late")
+    assert flow.restart_point() == 3 and flow.keep_from() == 0  # a replay may still start at 0
+
+
+@pytest.mark.parametrize(
+    "restart, rank0, rank1, sent0, sent1",
+    [
+        # rank 0 received round 2-3's batch, rank 1's was in flight: both rejoin at round 2
+        # (rank 0 drops what it already has)
+        (2, (0, 4), (0, 2), [(0, 2), (0, 4)], [(0, 3), (0, 5)]),
+        # rank 0 received and released batch 4, rank 1's batch 5 was in flight: the restart
+        # point is inside the round 4-5, and the group starts there, not at the next epoch
+        (5, (0, 6), (0, 4), [(0, 6)], [(0, 5), (0, 7)]),  # (round 8-9 is not complete yet)
+    ],
+    ids=["at-a-round-start", "inside-a-round"],
+)
+def test_a_groups_ranks_rejoining_after_a_crash_start_at_the_earliest_of_their_positions(
+    restart, rank0, rank1, sent0, sent1
+):
+    flow = Flow(window=4, places=8)
+    flow.start_at(0, 0, restart)
+    out: list = []
+    out += flow.join("r0", 4, member=Membership("job", 0, 2), ready=False)
+    out += flow.join("r1", 4, member=Membership("job", 1, 2), ready=False)
+    out += flow.ready("r0", rank0, rejoined=True)
+    out += flow.ready("r1", rank1, rejoined=True)
+    run(flow, 4, out, release=("r0", "r1"))
+    assert sent(out, "r0") == sent0 and sent(out, "r1") == sent1

@@ -360,6 +360,7 @@ class FakeProducer:
                 arenas=self.arenas,
                 heartbeat=0.1,
                 stream="fake",
+                restarted=None,
             )
             protocol.decode(welcome, protocol.MAX_REPLY_BYTES)  # our WELCOME itself is valid
             self.socket.send_multipart([cid, welcome])

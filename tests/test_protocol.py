@@ -59,8 +59,9 @@ VALID: dict[str, Any] = {
     "waiting": 1.25,
     "group": ["job-a", 1, 4, "pad"],
     "at_once": True,
-    "resume": ["0123abcd", 3, 17],
+    "resume": ["0123abcd", 3, 17, False],
     "stream": "0123abcd",
+    "restarted": ["0123abcd", 2],
 }
 EDGES: dict[str, list[Any]] = {
     "version": [protocol.VERSION],  # any other is refused: test_other_protocol_versions_are_refused
@@ -96,8 +97,9 @@ EDGES: dict[str, list[Any]] = {
     "waiting": [0, 0.0, 1e12],
     "group": [None, ["j" * 128, 0, 1, "drop"], ["é", 1 << 16, 1 << 16, "pad"]],
     "at_once": [False, True],
-    "resume": [None, ["", 0, 0], ["s" * 64, 2**63 - 1, 2**63 - 1]],
+    "resume": [None, ["", 0, 0, False], ["s" * 64, 2**63 - 1, 2**63 - 1, True]],
     "stream": ["", "s" * 64],
+    "restarted": [None, ["", 0], ["s" * 64, 2**63 - 1]],
 }
 # Values no kind may accept for that field: wrong type, bool for int, out of range, too long.
 BAD: dict[str, list[Any]] = {
@@ -161,8 +163,19 @@ BAD: dict[str, list[Any]] = {
         {"name": "job"},
     ],
     "at_once": [None, 0, 1, "yes"],
-    "resume": ["s", [], ["s", 0], ["s" * 65, 0, 0], ["s", -1, 0], ["s", 0, True], [1, 0, 0], ["s", 0, 0, 0]],
+    "resume": [
+        "s",
+        [],
+        ["s", 0, 0],
+        ["s" * 65, 0, 0, False],
+        ["s", -1, 0, False],
+        ["s", 0, True, False],
+        [1, 0, 0, False],
+        ["s", 0, 0, 0],
+        ["s", 0, 0, False, 0],
+    ],
     "stream": [None, 1, "s" * 65, b"s"],
+    "restarted": ["s", [], ["s"], ["s", -1], ["s", True], [1, 0], ["s" * 65, 0], ["s", 0, 0]],
 }
 
 

@@ -107,6 +107,13 @@ def add_parser(sub: Any) -> None:
         help="seconds to wait for consumers to take the end of the stream when stopping (default 10)",
     )
     p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the stream of the last producer on this name if it died (consumers with "
+        "reconnect= ride through), keeping a state file beside the socket; for a supervisor that "
+        "restarts this command on failure",
+    )
+    p.add_argument(
         "--arg",
         dest="args",
         action="append",
@@ -157,6 +164,7 @@ def producer_options(args: argparse.Namespace) -> dict[str, Any]:
         "stragglers": stragglers,
         "max_lag": args.max_lag,
         "linger": args.linger,
+        "resume": args.resume,
     }
 
 

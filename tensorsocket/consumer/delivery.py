@@ -29,7 +29,7 @@ def build(
     tree, leaves = layout.check(msg["layout"], reader.size(place))
     nbytes = msg["layout"][2]
     lease = reader.lease(place, nbytes)
-    item = (seq, lease.token, nbytes, msg["fingerprint"], msg["epoch"], msg["index"])
+    item = (seq, lease.token, nbytes, msg["fingerprint"], msg["epoch"], msg["index"], reader)
     release = weakref.finalize(
         lease.owner, _release_later, shared.live, shared.released, shared.wakeup, reader, item
     )

@@ -21,7 +21,7 @@ from .. import protocol
 from ..errors import Closed, ProducerLost
 from ..flow import LateJoin
 from ..rebatch import Rebatcher, batches_per_epoch
-from ..transport import Reader, parse_device
+from ..transport import parse_device
 from ..wakeup import stop_loop
 from . import io_loop, resume
 from .iteration import Batches, EpochIterator
@@ -91,6 +91,7 @@ class Consumer:
         rank: int | None = None,
         world_size: int | None = None,
         group_tail: str = "pad",
+        reconnect: float = 0.0,
     ) -> None:
         self._closed = True  # until the I/O thread joined: nothing to close, no warning
         if not isinstance(timeout, (int, float)) or not 0.05 <= timeout <= 86400:
@@ -101,6 +102,12 @@ class Consumer:
             raise ValueError(f"copy must be True or False, got {copy!r}")
         if not isinstance(check_writes, bool):
             raise ValueError(f"check_writes must be True or False, got {check_writes!r}")
+        if (
+            not isinstance(reconnect, (int, float))
+            or isinstance(reconnect, bool)
+            or not 0 <= reconnect <= 86400
+        ):
+            raise ValueError(f"reconnect must be a number of seconds in [0, 86400], got {reconnect!r}")
         try:
             self.late_join = LateJoin(late_join)
         except ValueError:
@@ -136,6 +143,7 @@ class Consumer:
             copy,
             check_writes,
             membership,
+            reconnect=float(reconnect),
         )
         self._rebatcher = rebatcher
         self._join(settings, None)
@@ -161,8 +169,7 @@ class Consumer:
             self._io.join(timeout=5.0)
             shared.wakeup.close()
             raise joined
-        welcome, reader, self._conn = joined  # _conn: the I/O thread's state (white-box tests read it)
-        self._reader: Reader = reader
+        welcome, reader, self._conn = joined  # _conn: the I/O thread's state (its reader changes at a rejoin)
         if not reader.checks_writes and not faulthandler.is_enabled():
             # A write to a read-only batch is a segmentation fault: let it print the Python
             # traceback of the line that wrote, not just "Segmentation fault".
@@ -173,7 +180,7 @@ class Consumer:
         if self._rebatcher is not None:
             self._rebatcher.flush()
         self._batches = Batches(
-            shared, settings, reader, self._io, self.slots, self._rebatcher, welcome["stream"], restored,
+            shared, settings, self._io, self.slots, self._rebatcher, welcome["stream"], restored,
             self.batches_per_epoch,
         )  # fmt: skip
         self._closed = False
@@ -210,10 +217,17 @@ class Consumer:
         return None if self.group is None else [self.group, self.world_size]
 
     @property
+    def repeated(self) -> int | None:
+        """Batches this consumer got twice because a restarted producer, whose loader could
+        not repeat its order, published their epoch again from its start (None: none)."""
+        return self._batches.repeated
+
+    @property
     def missed(self) -> int | None:
-        """Producer batches a restored consumer lost because the producer no longer had them
-        (None: not restored, nothing missed, or not known)."""
-        return self._batches.missed
+        """Producer batches a restored or rejoining consumer lost because the producer no
+        longer had them (None: nothing missed, or not known)."""
+        restored, rejoins = self._batches.missed, self._shared.missed
+        return (restored or 0) + rejoins if restored or rejoins else restored
 
     def __len__(self) -> int:
         """Batches per epoch: the producer loader's len(), or with ``batch_size`` what this
@@ -249,7 +263,7 @@ class Consumer:
     def delivery(self) -> str:
         """ "views" (batches are views of the producer's memory: zero copy) or "copy" (copied
         to this consumer's device: a GPU other than the producer's, or the host)."""
-        return self._reader.delivery
+        return self._conn.reader.delivery
 
     @property
     def finished(self) -> bool:
@@ -276,7 +290,7 @@ class Consumer:
                 shared.queue.get_nowait()
             except queue.Empty:
                 break
-        self._reader.close()
+        self._conn.reader.close()
 
     def __enter__(self) -> Consumer:
         return self

@@ -6,24 +6,21 @@ otherwise), so a lost producer raises ProducerLost in next() instead of blocking
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
-from .. import endpoint as endpoints
 from .. import protocol
 from ..errors import Evicted, GroupBroken, ProducerLost, ProtocolError, Refused
-from ..host import boot_id, pid_alive, pid_namespace, same_host
+from ..host import pid_alive, same_host
 from ..protocol import Kind
 from ..rebatch import batch_length
-from ..transport import Reader, open_reader
-from . import delivery
-from .shared import BATCH, END, EPOCH_END, ERROR, SKIPPED, Settings, Shared
+from ..transport import Reader
+from . import delivery, handshake, resume
+from .shared import BATCH, END, EPOCH_END, ERROR, RESTARTED, SKIPPED, Settings, Shared
 
 log = logging.getLogger("tensorsocket")
 
@@ -35,20 +32,11 @@ _STATS_EVERY = 1.0  # seconds between STATS reports to the producer
 def run(shared: Shared, settings: Settings, outcome: queue.SimpleQueue[Any]) -> None:
     """The thread's body: join, report the outcome (WELCOME and the reader, or the error)
     to the constructor, then serve until the stream is over or close() stops us."""
-    socket = zmq.Context.instance().socket(zmq.DEALER)
-    socket.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.setsockopt(zmq.SNDHWM, 0)
-    socket.setsockopt(zmq.RCVHWM, 0)
-    socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_REPLY_BYTES)
+    socket = handshake.connect(settings)
+    resume = None if settings.resume is None else [*settings.resume, False]
     try:
-        socket.connect(endpoints.connect_address(settings.endpoint))
-        welcome = _handshake(socket, settings)
-        reader = open_reader(
-            welcome["transport"], welcome["gpu"], settings.device, settings.stream, settings.check_writes
-        )
-        for arena in welcome["arenas"]:
-            reader.announce(arena)
+        welcome = handshake.join(socket, settings, resume, settings.timeout, shared)
+        reader = handshake.open_reader_for(welcome, settings)
     except BaseException as exc:
         _send_quietly(socket, protocol.encode(Kind.BYE))  # a WELCOME on its way registered us: leave
         socket.close(linger=100)
@@ -59,43 +47,12 @@ def run(shared: Shared, settings: Settings, outcome: queue.SimpleQueue[Any]) -> 
     try:
         if io.serve():
             io.send_releases()
-            _send_quietly(socket, protocol.encode(Kind.BYE))
+            _send_quietly(io.socket, protocol.encode(Kind.BYE))
     except Exception as exc:
         log.exception("consumer I/O thread for %s failed", settings.endpoint)
         shared.fail(ProducerLost(f"consumer I/O failed: {type(exc).__name__}: {exc}"))
     finally:
-        socket.close(linger=100)
-
-
-def _handshake(socket: zmq.Socket, settings: Settings) -> dict[str, Any]:
-    socket.send(
-        protocol.encode(
-            Kind.HELLO,
-            version=protocol.VERSION,
-            pid=os.getpid(),
-            boot_id=boot_id(),
-            pidns=pid_namespace(),
-            label=settings.label,
-            prefetch=settings.prefetch,
-            timeout=settings.timeout,
-            late_join=settings.late_join,
-            batch_size=settings.batch_size,
-            device=str(settings.device),
-            group=None if settings.group is None else list(settings.group),
-            resume=None if settings.resume is None else list(settings.resume),
-        )
-    )
-    if not socket.poll(int(settings.timeout * 1000)):
-        raise ProducerLost(
-            f"no producer answered at {settings.endpoint} within {settings.timeout:g} s; start one "
-            "with Producer(loader, name=...) or check the name / endpoint"
-        )
-    kind, msg = protocol.decode(socket.recv(), protocol.MAX_REPLY_BYTES)
-    if kind is Kind.WELCOME:
-        return msg
-    if kind in (Kind.ERROR, Kind.EVICTED):
-        raise Refused(f"the producer at {settings.endpoint} refused to serve us: {msg['reason']}")
-    raise ProtocolError(f"expected WELCOME from {settings.endpoint}, got {kind.value}")
+        io.socket.close(linger=100)
 
 
 @dataclass
@@ -114,22 +71,35 @@ class ConsumerIo:
     def __init__(
         self, socket: zmq.Socket, shared: Shared, settings: Settings, welcome: dict[str, Any], reader: Reader
     ) -> None:
-        self.socket, self.shared, self.settings, self.reader = socket, shared, settings, reader
+        self.socket, self.shared, self.settings = socket, shared, settings
         self.endpoint = settings.endpoint
+        self._welcomed(welcome, reader)
+        self.ready_sent = False
+        # For a rejoin: the stream and the last entry received (its seq and where the next
+        # batch is), so a successor resumes right after it and what came again is dropped.
+        self.stream: str = welcome["stream"]
+        self.last_seq = -1
+        self.next_at: tuple[int, int] | None = None if settings.resume is None else settings.resume[1:]
+        self.drop_through = -1  # after a rejoin: entries up to this seq came before
+        self.rejoined_at: tuple[int, int] | None = None  # after a rejoin: where the next batch should be
+        self.size = 1 if settings.group is None else settings.group[2]
+
+    def _welcomed(self, welcome: dict[str, Any], reader: Reader) -> None:
+        self.reader = reader
         self.producer_pid = welcome["pid"]
         self.producer_local = same_host(welcome["boot_id"], welcome["pidns"])
-        self.heartbeat = min(welcome["heartbeat"], settings.timeout / 4)
-        self.ready_sent = False
+        self.heartbeat = min(welcome["heartbeat"], self.settings.timeout / 4)
+        self.batches_per_epoch: int | None = welcome["batches"]
 
     def serve(self) -> bool:
         """Turn until stopped (True: leave politely) or the stream is over for us (False)."""
-        poller = zmq.Poller()
-        poller.register(self.socket, zmq.POLLIN)
-        poller.register(self.shared.wakeup.fd, zmq.POLLIN)
+        self.poller = zmq.Poller()
+        self.poller.register(self.socket, zmq.POLLIN)
+        self.poller.register(self.shared.wakeup.fd, zmq.POLLIN)
         now = time.monotonic()
         clock = _Clock(now, now, now)
         while not self.shared.stop.is_set():
-            if not self._once(poller, clock):
+            if not self._once(self.poller, clock):
                 return False
         return True
 
@@ -157,7 +127,7 @@ class ConsumerIo:
             clock.last_sent = now
         if shared.ready is not None and not self.ready_sent:
             self.ready_sent = True
-            self._send(protocol.encode(Kind.READY, resume=shared.ready[0]))
+            self._send(protocol.encode(Kind.READY, resume=self._ready_at(shared.ready[0])))
         if shared.stream_over:
             return True
         if now - clock.last_stats >= _STATS_EVERY:
@@ -179,12 +149,95 @@ class ConsumerIo:
             # of a consumer's CPU with small batches (py-spy).
             clock.last_alive = now
             if not pid_alive(self.producer_pid):
-                shared.fail(ProducerLost(f"the producer at {self.endpoint} (pid {self.producer_pid}) died"))
-                return False
+                return self._lost(f"the producer at {self.endpoint} (pid {self.producer_pid}) died", clock)
         if now - clock.last_seen > timeout:
-            shared.fail(ProducerLost(f"no message from the producer at {self.endpoint} for {timeout:g} s"))
-            return False
+            return self._lost(f"no message from the producer at {self.endpoint} for {timeout:g} s", clock)
         return True
+
+    def _ready_at(self, restored: list[Any] | None) -> list[Any] | None:
+        """A group member's READY position: the batch after the last one it received (it
+        rejoins a successor), else where it was restored, if it was."""
+        if self.last_seq < 0 or self.next_at is None:
+            return None if restored is None else [*restored, False]
+        return [self.stream, *self.next_at, True]
+
+    def _lost(self, why: str, clock: _Clock) -> bool:
+        """The producer died or went silent: with ``reconnect``, wait for a successor on the
+        same endpoint and rejoin it after the last batch received (the batches held and
+        queued stay valid: their memory stays mapped); else, or if none comes, ProducerLost."""
+        wait = self.settings.reconnect
+        if not wait:
+            self.shared.fail(ProducerLost(why))
+            return False
+        log.warning("%s; waiting up to %g s for a producer to continue the stream", why, wait)
+        self.poller.unregister(self.socket)
+        self.socket.close(linger=0)
+        self.socket = handshake.connect(self.settings)
+        self.poller.register(self.socket, zmq.POLLIN)
+        at = None if self.next_at is None else [self.stream, *self.next_at, True]
+        try:
+            welcome = handshake.join(self.socket, self.settings, at, wait, self.shared)
+        except (ProducerLost, Refused, ProtocolError, ValueError) as exc:
+            if self.shared.stop.is_set():
+                return True  # close() was called meanwhile
+            self.shared.fail(
+                ProducerLost(f"{why}; waited {wait:g} s for a producer to continue the stream: {exc}")
+            )
+            return False
+        if welcome["pid"] == self.producer_pid and self.producer_local:
+            # Silent, not dead: our old connection is still registered there, and once it is
+            # evicted the places under what we hold and have queued may be reused.
+            _send_quietly(self.socket, protocol.encode(Kind.BYE))
+            self.shared.fail(ProducerLost(f"{why}; it is still running, so this consumer cannot rejoin it"))
+            return False
+        if not self._same_stream(welcome):
+            _send_quietly(self.socket, protocol.encode(Kind.BYE))
+            return False
+        try:
+            reader = handshake.open_reader_for(welcome, self.settings)
+        except Exception as exc:
+            _send_quietly(self.socket, protocol.encode(Kind.BYE))
+            self.shared.fail(ProducerLost(f"{why}; its successor's memory cannot be read: {exc}"))
+            return False
+        old, self.reader = self.reader, None  # type: ignore[assignment]
+        old.close()  # the old producer's memory stays mapped under the batches still held
+        self._welcomed(welcome, reader)
+        self.ready_sent = False  # a group member says READY again, at its rejoin position
+        now = time.monotonic()
+        clock.last_seen = clock.last_sent = clock.last_alive = clock.last_awake = now
+        log.warning("rejoined the stream at %s (producer pid %d)", self.endpoint, self.producer_pid)
+        return True
+
+    def _same_stream(self, welcome: dict[str, Any]) -> bool:
+        """Does the successor continue our stream? The same stream: drop what came before.
+        Our epoch started again (its loader cannot repeat its order): say how many batches
+        come again. Another stream: ProducerLost (we cannot go on exactly)."""
+        restarted = welcome["restarted"]
+        if welcome["stream"] == self.stream:
+            self.drop_through, self.rejoined_at = self.last_seq, self.next_at
+            return True
+        if self.last_seq < 0 and self.settings.resume is None:  # it had nothing yet: nothing to lose
+            self.stream = welcome["stream"]
+            self.shared.queue.put((RESTARTED, (self.stream, 0)))
+            return True
+        if restarted is not None and restarted[0] == self.stream and self.next_at is not None:
+            epoch, index = self.next_at
+            again = index if epoch == restarted[1] else None
+            self.stream, self.drop_through = welcome["stream"], -1
+            log.warning(
+                "the producer at %s started epoch %d again from its first batch (its loader does not repeat "
+                "its order): this consumer gets %s batches of it again",
+                self.endpoint, restarted[1], "some" if again is None else again,
+            )  # fmt: skip
+            self.shared.queue.put((RESTARTED, (self.stream, again)))
+            return True
+        self.shared.fail(
+            ProducerLost(
+                f"the producer now at {self.endpoint} serves another stream (it was not started with "
+                "resume=True, or its state file was removed): this consumer cannot go on exactly"
+            )
+        )
+        return False
 
     def _send(self, frame: bytes) -> None:
         _send_quietly(self.socket, frame)
@@ -199,10 +252,21 @@ class ConsumerIo:
                 return True
             try:
                 kind, msg = protocol.decode(frame, protocol.MAX_REPLY_BYTES)
+                if kind in (Kind.BATCH, Kind.EPOCH_END) and not self._new(kind, msg):
+                    continue
                 if kind is Kind.BATCH:
                     batch, token, release = delivery.build(msg, self.reader, shared, self.settings.copy)
                     samples = batch_length(batch)  # counted here, off the training thread
-                    payload = (batch, msg["epoch"], msg["index"], msg["seq"], token, release, samples)
+                    payload = (
+                        batch,
+                        msg["epoch"],
+                        msg["index"],
+                        msg["seq"],
+                        token,
+                        release,
+                        samples,
+                        self.reader,
+                    )
                     shared.queue.put((BATCH, payload))
                 elif kind is Kind.SKIPPED:
                     shared.queue.put((SKIPPED, msg["count"]))
@@ -247,11 +311,51 @@ class ConsumerIo:
                 shared.fail(ProtocolError(f"bad message from the producer at {self.endpoint}: {exc}"))
                 return False
 
+    def _new(self, kind: Kind, msg: dict[str, Any]) -> bool:
+        """Note where the stream is for a rejoin; False for an entry received before it (a
+        successor publishes again from its restart point): released at once, not yielded."""
+        if msg["seq"] <= self.drop_through:
+            if kind is Kind.BATCH:
+                self._send(protocol.encode(Kind.RELEASE, seqs=[msg["seq"]]))
+            return False
+        if self.rejoined_at is not None:
+            self._after_rejoin(kind, msg)
+        self.last_seq = msg["seq"]
+        if kind is Kind.EPOCH_END:
+            self.next_at = (msg["epoch"] + 1, 0)
+        else:
+            self.next_at = (msg["epoch"], (msg["index"] // self.size + 1) * self.size)
+        return True
+
+    def _after_rejoin(self, kind: Kind, msg: dict[str, Any]) -> None:
+        """The first entry after a rejoin. An epoch end it jumps over is ended here. Batches
+        between where we rejoined and it were lost (the successor no longer had them: say, a
+        consumer joined with a replay just before the crash, before the state file said so):
+        said, and counted in ``missed``."""
+        epoch, index = self.rejoined_at  # type: ignore[misc]
+        self.rejoined_at = None
+        for ended in range(epoch, msg["epoch"]):
+            # An epoch's end marker is not held, so it may have been in flight when the producer
+            # died while the successor starts after it: end that epoch here, as it would have.
+            self.shared.queue.put((EPOCH_END, ended))
+        first = (msg["epoch"], msg["index"] - msg["index"] % self.size) if kind is Kind.BATCH else None
+        if first is None or first == (epoch, index):
+            return
+        lost = resume.missed(resume.Position(self.stream, epoch, index), *first, self.batches_per_epoch)
+        if lost:
+            self.shared.missed += lost
+            log.warning(
+                "rejoined at batch %d of epoch %d, which the producer no longer had: %d batches missed",
+                index, epoch, lost,
+            )  # fmt: skip
+
     def send_releases(self) -> bool:
         """Release every retired batch (checking it was not changed while held); True if any."""
         shared, seqs = self.shared, []
         while shared.released:
-            seq, token, nbytes, fingerprint, epoch, index = shared.released.popleft()
+            seq, token, nbytes, fingerprint, epoch, index, reader = shared.released.popleft()
+            if reader is not self.reader:
+                continue  # from a producer that died: nothing to release to
             if (
                 fingerprint is not None
                 and self.reader.checks_writes

@@ -17,11 +17,10 @@ from typing import Any
 
 from ..errors import BatchModified, Closed, Hoarding, ProducerLost
 from ..rebatch import Rebatcher, batch_length
-from ..transport import Reader
 from . import resume
 from .io_loop import TICK
 from .resume import Position
-from .shared import BATCH, END, EPOCH_END, SKIPPED, Settings, Shared
+from .shared import BATCH, END, EPOCH_END, RESTARTED, SKIPPED, Settings, Shared
 
 log = logging.getLogger("tensorsocket")
 
@@ -33,7 +32,6 @@ class Batches:
         self,
         shared: Shared,
         settings: Settings,
-        reader: Reader,
         io: threading.Thread,
         slots: int,
         rebatcher: Rebatcher | None,
@@ -41,7 +39,7 @@ class Batches:
         restored: Position | None = None,
         batches_per_epoch: int | None = None,
     ) -> None:
-        self.shared, self.settings, self.reader, self.io = shared, settings, reader, io
+        self.shared, self.settings, self.io = shared, settings, io
         self.slots, self.rebatcher = slots, rebatcher
         self.group_size = 1 if settings.group is None else settings.group[2]  # 1: not in a group
         # Where this consumer is (see consumer/resume.py): the next producer batch of the epoch
@@ -54,6 +52,7 @@ class Batches:
         if restored is not None:
             self.next_index = restored.index
         self.missed: int | None = None  # batches a restored consumer lost (None: none or not known)
+        self.repeated: int | None = None  # batches sent again: a successor restarted the epoch
         self.resume_checked = False
         self.taken_any = False  # a batch or an epoch's end was taken
         self.ended = False
@@ -197,8 +196,13 @@ class Batches:
             raise self.error
         self._check_violation()
         kind, payload = self._take()
-        while kind == SKIPPED:
-            self._note_skipped(payload)
+        while kind in (SKIPPED, RESTARTED):
+            if kind == SKIPPED:
+                self._note_skipped(payload)
+            else:  # positions from here are on the successor's stream
+                self.stream, again = payload
+                if again:
+                    self.repeated = (self.repeated or 0) + again
             kind, payload = self._take()
         if kind in (BATCH, EPOCH_END):
             self._note_position(kind, *((payload[1], payload[2]) if kind == BATCH else (payload, 0)))
@@ -208,13 +212,13 @@ class Batches:
                 self.error = self.shared.cut_off
                 raise self.error
             self.mid_epoch = True
-            batch, epoch, index, seq, token, release, self.samples = payload
+            batch, epoch, index, seq, token, release, self.samples, reader = payload
             # Counted as held from here (not when built): the hoarding check must not count a
             # batch the I/O thread is still building or queueing. A batch delivered as a copy
             # dropped its views in the I/O thread already: it holds nothing.
             if release.alive:
                 self.shared.live.add(seq)
-                self.reader.handed_out(token)
+                reader.handed_out(token)
             if self.first_batch:
                 self.first_batch = False
                 if index >= self.group_size and not self.resume_checked:  # (a restored one said where it is)

@@ -9,7 +9,8 @@ one writer (or a thread-safe container), as listed here.
   hand-out; finalizers discard, in any thread (set.add / discard / len are atomic under the GIL).
 * ``violations`` (deque): the I/O thread appends a message when a batch changed while held;
   the caller's thread pops it and raises BatchModified.
-* ``cut_off``, ``stream_over``, ``io_tick``: the I/O thread only; the caller's thread reads.
+* ``cut_off``, ``stream_over``, ``io_tick``, ``missed``: the I/O thread only; the caller's
+  thread reads.
 * ``synced`` (Event): the I/O thread clears it after a freeze and sets it at the answer.
 * ``ready``: a group member's READY to send (its restored position or None, in a list), set
   once by the caller's thread when it begins iterating; the I/O thread sends it once.
@@ -31,6 +32,7 @@ from ..wakeup import Wakeup
 
 # Queue item kinds
 BATCH, SKIPPED, EPOCH_END, END, ERROR = "batch", "skipped", "epoch_end", "end", "error"
+RESTARTED = "restarted"  # a rejoined producer starts our epoch again: (new stream, batches again)
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,7 @@ class Settings:
     check_writes: bool = False
     group: tuple[str, int, int, str] | None = None  # (name, rank, world size, tail)
     resume: tuple[str, int, int] | None = None  # a restored position: (stream, epoch, index)
+    reconnect: float = 0.0  # seconds to wait for a successor when the producer is lost
 
 
 @dataclass
@@ -71,6 +74,7 @@ class Shared:
     waiting: float = 0.0
     wait_started: float | None = None  # inside next() since then: a wait in progress counts
     ready: list[Any] | None = None
+    missed: int = 0  # batches lost at rejoins (the I/O thread counts; Consumer.missed adds them)
 
     def __post_init__(self) -> None:
         self.synced.set()

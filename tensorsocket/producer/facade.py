@@ -22,6 +22,7 @@ from ..rebatch import batch_length
 from ..status import ProducerStatus
 from ..transport import Store, open_store
 from ..wakeup import Wakeup, stop_loop
+from . import restart
 from .io_loop import IoLoop
 from .publisher import Publisher
 from .shared import Config, Shared
@@ -71,8 +72,11 @@ class Producer:
         stragglers: str = "stall",
         max_lag: int | None = None,
         linger: float = 10.0,
+        resume: bool = False,
     ) -> None:
         max_lag = _check_arguments(loader, slots, min_consumers, replay, grace, stragglers, max_lag, linger)
+        if not isinstance(resume, bool):
+            raise ValueError(f"resume must be True or False, got {resume!r}")
         self.loader = loader
         self.endpoint = endpoints.resolve(name, endpoint)
         self.slots = slots
@@ -91,6 +95,7 @@ class Producer:
         self._close_lock = threading.RLock()
         self._lock_file = endpoints.lock(self.endpoint)
         try:
+            tracker, resumed = self._resume(resume)  # (a rerun pulls from the loader: before the bind)
             store = open_store(device)
         except BaseException:
             self._release_lock()
@@ -100,6 +105,8 @@ class Producer:
         # it) and the batches each of them holds must all fit with room to spare, or the
         # leader would be paced by the straggler's releases.
         flow = Flow(window=slots, places=slots * (3 if stragglers == "skip" else 1), max_lag=max_lag)
+        if resumed is not None:
+            flow.start_at(resumed.epoch, resumed.first_seq, resumed.index)
         config = Config(
             self.endpoint,
             slots,
@@ -108,7 +115,8 @@ class Producer:
             max_lag,
             self.batches_per_epoch,
             self.samples_per_epoch,
-            uuid.uuid4().hex,
+            uuid.uuid4().hex if tracker is None else tracker.stream,
+            None if resumed is None else resumed.restarted,
         )
         self._shared = Shared(config, flow, store)
         self._io = IoLoop(self._shared, self.endpoint, owner=self)
@@ -122,7 +130,7 @@ class Producer:
         if bound != self.endpoint:  # a tcp ":*" endpoint: the port the OS picked
             self.endpoint = bound
             self._shared.config = dataclasses.replace(config, endpoint=bound)
-        self._publisher = Publisher(self._shared, self._io, min_consumers, grace)
+        self._publisher = Publisher(self._shared, self._io, min_consumers, grace, tracker, resumed)
         self._closed = False
         # If close() is never called (a script without `with` that raises): at exit, stop the
         # I/O thread before zmq is torn down under it (that aborts the process) and free the
@@ -132,7 +140,48 @@ class Producer:
         weakref.finalize(self, _stop_at_exit, shared.stop, shared.wakeup, self._io.thread, store)
         log.info("producer serving %s with %d slots on %s", self.endpoint, slots, self.device)
 
+    def _resume(self, resume: bool) -> tuple[restart.Tracker | None, restart.Resumed | None]:
+        """With ``resume``: the state file's tracker, and where the predecessor's stream goes
+        on (None: there is none, so a fresh stream begins). ValueError for a state file that
+        is damaged or was saved over another loader: never a wrong resume."""
+        if not resume:  # a fresh stream on this name: an older state must not be resumed later
+            if not self.endpoint.endswith(":*"):
+                restart.remove(restart.state_path(self.endpoint))
+            return None, None
+        path = restart.state_path(self.endpoint)
+        description = restart.describe(self.loader, self.batches_per_epoch, self.samples_per_epoch)
+        state = restart.read(path)
+        resumed = None
+        if state is not None:
+            restart.check_matches(state, description, path)
+            try:
+                resumed = restart.resume(self.loader, state, uuid.uuid4().hex)
+            except ValueError:
+                raise
+            except (TypeError, AttributeError, KeyError, IndexError, RuntimeError) as exc:
+                raise ValueError(
+                    f"the state file {path} could not be applied ({type(exc).__name__}: {exc}): remove it "
+                    "to begin a fresh stream"
+                ) from exc
+            log.info(
+                "resuming stream %s of %s at batch %d of epoch %d (%s)",
+                state.stream, self.endpoint, resumed.index, resumed.epoch,
+                "starting that epoch again" if resumed.restarted else description["mode"],
+            )  # fmt: skip
+        stream = uuid.uuid4().hex if resumed is None else resumed.stream
+        tracker = restart.Tracker(path, self.loader, description, stream)
+        if resumed is not None:
+            tracker.resumed(resumed)
+        return tracker, resumed
+
     # ------------------------------------------------------------------ public API
+
+    @property
+    def epoch(self) -> int:
+        """The epoch being published, or the next one (a resumed producer goes on counting
+        the stream's epochs from where its predecessor was)."""
+        with self._shared.changed:
+            return self._shared.flow.epoch
 
     def __len__(self) -> int:
         if self.batches_per_epoch is None:
@@ -147,8 +196,9 @@ class Producer:
         return _EpochPublisher(self._publisher)
 
     def serve(self, epochs: int | None = 1) -> None:
-        """Publish ``epochs`` epochs (None: forever), end the stream, wait for every consumer
-        to be sent everything or to leave, then close.
+        """Publish the stream's epochs up to ``epochs`` (None: forever; a resumed producer
+        publishes what its predecessor had not), end the stream, wait for every consumer to
+        be sent everything or to leave, then close.
 
         Ctrl-C (KeyboardInterrupt) ends the current epoch where it is and the stream cleanly;
         any other exception ends the stream with its reason, which consumers raise as
@@ -157,7 +207,7 @@ class Producer:
             raise ValueError(f"epochs must be a non-negative int or None, got {epochs!r}")
         publisher = self._publisher
         try:
-            done = 0
+            done = self.epoch  # a resumed stream goes on counting its epochs
             while epochs is None or done < epochs:
                 for _ in self:
                     pass

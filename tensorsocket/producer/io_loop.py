@@ -161,7 +161,7 @@ class IoLoop:
                 reason = "unknown consumer: it was evicted or never joined"
                 shared.outbox.append((cid, protocol.encode(Kind.EVICTED, reason=reason)))
         elif kind is Kind.READY:
-            shared.send_all(shared.flow.ready(cid, self._position(msg["resume"])))
+            shared.send_all(shared.flow.ready(cid, *self._position(msg["resume"])))
         elif kind is Kind.RELEASE:
             shared.send_all(shared.flow.release(cid, msg["seqs"]))
         elif kind is Kind.BYE:
@@ -182,12 +182,12 @@ class IoLoop:
         elif kind is not Kind.HEARTBEAT:
             raise ProtocolError(f"a consumer may not send {kind.value} messages")
 
-    def _position(self, resume: list[Any] | None) -> tuple[int, int] | None:
-        """A restored consumer's (epoch, index); None for a position on another stream (an
-        earlier producer's: its numbers mean nothing here)."""
+    def _position(self, resume: list[Any] | None) -> tuple[tuple[int, int] | None, bool]:
+        """A restored or rejoining consumer's (epoch, index) and whether it rejoins (see
+        Flow.ready); None for a position on another stream (its numbers mean nothing here)."""
         if resume is None or resume[0] != self.shared.config.stream:
-            return None
-        return resume[1], resume[2]
+            return None, False
+        return (resume[1], resume[2]), resume[3]
 
     def _holders_of(self, cid: bytes, seq: int) -> str:
         """Who holds batch ``seq`` besides ``cid`` (which reports it): their descriptions."""
@@ -213,13 +213,9 @@ class IoLoop:
         try:
             # A group member starts with its group once every rank is READY (began iterating:
             # after any load_state_dict, whatever order the trainers start in).
+            at, rejoined = self._position(msg["resume"])
             actions = shared.flow.join(
-                cid,
-                msg["prefetch"],
-                LateJoin(msg["late_join"]),
-                member,
-                self._position(msg["resume"]),
-                member is None,
+                cid, msg["prefetch"], LateJoin(msg["late_join"]), member, at, member is None, rejoined
             )
         except ValueError as exc:  # a group member that conflicts with the others
             log.warning("refused %s: %s", peer.describe(), exc)
@@ -241,6 +237,7 @@ class IoLoop:
             arenas=[d for d in shared.store.describe() if d[0] == transport],
             heartbeat=_heartbeat_interval(peer),
             stream=config.stream,
+            restarted=config.restarted,
         )
         shared.outbox.append((cid, welcome))
         shared.send_all(actions)

@@ -17,26 +17,46 @@ from .. import layout, protocol, sharding
 from ..errors import Closed, IoThreadDied
 from ..protocol import Kind
 from .io_loop import TICK, IoLoop
+from .restart import Resumed, Tracker, content_fingerprint
 from .shared import Shared
 
 log = logging.getLogger("tensorsocket")
 
 MIB = 1 << 20
 _MAX_REPLAY_BATCHES = 4096  # each place is an arena every consumer maps: bound their number
+_REJOIN_GRACE = 10.0  # seconds a successor waits for all its predecessor's consumers
 
 
 class Publisher:
     """Publishes the loader's batches; lives in (and is used only by) the caller's thread,
     except :meth:`end_stream` and :meth:`wait`, which close() may call from another."""
 
-    def __init__(self, shared: Shared, io: IoLoop, min_consumers: int, grace: float | None) -> None:
+    def __init__(
+        self,
+        shared: Shared,
+        io: IoLoop,
+        min_consumers: int,
+        grace: float | None,
+        tracker: Tracker | None = None,
+        resumed: Resumed | None = None,
+    ) -> None:
         self.shared, self.io = shared, io
         self.min_consumers, self.grace = min_consumers, grace
         self.closing = False  # close() has begun: waits in the caller's thread end quietly
         self.started = False  # the first batch was pulled
         self.epoch_open = False
         self.index = 0
+        self.first_seq = 0  # the open epoch's first entry
         self.loader_iter: Iterator[Any] | None = None
+        self.pending: list[Any] = []  # pulled already (a resume's checked batch): published first
+        # resume=True: where to restart from, and the state file; a successor's first epoch
+        self.tracker, self.resumed = tracker, resumed
+        self.expected: dict[tuple[int, int], int] = {}  # a successor's batches published before
+        if resumed is not None:
+            self.expected = resumed.fingerprints
+            if resumed.restarted is None:  # wait for the consumers to rejoin (not forever)
+                self.min_consumers = max(min_consumers, resumed.consumers)
+                self.grace = _REJOIN_GRACE if grace is None else grace
 
     def next_batch(self) -> Any:
         """Publish the loader's next batch and return it; StopIteration at the epoch's end."""
@@ -49,12 +69,13 @@ class Publisher:
         t0 = time.perf_counter()
         assert self.loader_iter is not None
         try:
-            batch = next(self.loader_iter)
+            batch = self.pending.pop() if self.pending else next(self.loader_iter)
         except StopIteration:
             self.end_epoch()
             raise
         t1 = time.perf_counter()
         plan = layout.plan(batch)
+        content = self._check_content(plan)
         if not self.started:
             self._size_replay(plan.nbytes)
         self.started = True
@@ -107,15 +128,43 @@ class Publisher:
                     f"(limit {protocol.MAX_REPLY_BYTES}): its str / bytes / scalar leaves travel in the "
                     "message; put large data in tensors or NumPy arrays"
                 )
+            seq, epoch = shared.flow.next_seq, shared.flow.epoch
             shared.send_all(shared.flow.publish(place, frame))
             self.index += 1
+            where = self._restart_where()
             stats = shared.stats
             stats["published"] += 1
             stats["loader_wait"] += t1 - t0
             stats["publish_time"] += time.perf_counter() - t1
             stats["slot_wait"] += place_wait
         shared.wakeup.wake()
+        if self.tracker is not None:  # (the loader's state_dict() may take a while: not under the lock)
+            self.tracker.published(seq, epoch, self.first_seq, self.index - 1, content)  # type: ignore[arg-type]
+            self.tracker.save(*where)
         return batch
+
+    def _restart_where(self) -> tuple[int, int, int]:
+        """(restart point, keep-from seq, consumers served) for the state file (lock held)."""
+        flow = self.shared.flow
+        return flow.restart_point(), flow.keep_from(), flow.serving()
+
+    def _check_content(self, plan: layout.Plan) -> int | None:
+        """With resume=True, the batch's content fingerprint (recorded, so a successor can
+        check it repeats the stream); a successor checks each batch its predecessor published
+        is the same, so no consumer ever gets a batch under another's numbers."""
+        if self.tracker is None:
+            return None
+        content = content_fingerprint(plan)
+        with self.shared.changed:
+            epoch = self.shared.flow.epoch
+        expected = self.expected.pop((epoch, self.index), None)
+        if expected is not None and expected != content:
+            raise RuntimeError(
+                f"batch {self.index} of epoch {epoch} differs from the one published under that number "
+                "before the restart: the loader does not repeat its stream; remove the state file "
+                f"{self.tracker.path} to begin a fresh stream"
+            )
+        return content
 
     def _may_start(self) -> bool:
         """Before the first batch: enough consumers, or the grace period is over (lock held)."""
@@ -176,10 +225,25 @@ class Publisher:
             self.end_epoch()
         with self.shared.changed:
             epoch = self.shared.flow.epoch  # the epoch its batches and EPOCH_END will carry
+            self.first_seq = self.shared.flow.next_seq
+        resumed, self.resumed = self.resumed, None
+        self.epoch_open = True
+        if resumed is not None and (resumed.iterator is not None or resumed.at_end):
+            # A successor's first epoch: its predecessor's, continued where it restarts.
+            self.first_seq, self.index = resumed.first_seq, resumed.index
+            self.loader_iter = resumed.iterator or iter(())
+            self.pending = resumed.pending
+            return
+        if self.tracker is not None:  # its point, written now: the stream id lasts from here on
+            self.tracker.epoch_started(epoch, self.first_seq)
+            with self.shared.changed:
+                where = self._restart_where()
+            self.tracker.save(*where, force=True)
         sharding.set_epoch(loader, epoch)  # before iter(): a DataLoader draws its order there
         self.loader_iter = iter(loader if isinstance(loader, Iterable) else loader())
-        self.epoch_open = True
         self.index = 0
+        if self.tracker is not None:
+            self.tracker.epoch_iterating(epoch)
 
     def end_epoch(self) -> None:
         shared = self.shared
@@ -189,9 +253,14 @@ class Publisher:
             self.epoch_open = False
             if shared.flow.ended:
                 raise Closed(f"producer on {shared.config.endpoint} was closed")
-            frame = protocol.encode(Kind.EPOCH_END, seq=shared.flow.next_seq, epoch=shared.flow.epoch)
+            seq, epoch = shared.flow.next_seq, shared.flow.epoch
+            frame = protocol.encode(Kind.EPOCH_END, seq=seq, epoch=epoch)
             shared.send_all(shared.flow.end_epoch(frame))
+            where = self._restart_where()
         shared.wakeup.wake()
+        if self.tracker is not None:
+            self.tracker.epoch_ended(seq, epoch, self.first_seq, self.index)
+            self.tracker.save(*where, force=True)
 
     def end_stream(self, reason: str | None) -> None:
         shared = self.shared
@@ -200,6 +269,8 @@ class Publisher:
                 return
             frame = protocol.encode(Kind.END, seq=shared.flow.next_seq, reason=reason)
             shared.send_all(shared.flow.end_stream(frame))
+            if self.tracker is not None and reason is None:  # a clean end: nothing to resume
+                self.tracker.ended()  # (after an error the file stays: a restart may go on)
         shared.wakeup.wake()
 
     def wait(self, predicate: Callable[[], bool], deadline: float | None, what: str) -> None:
@@ -217,6 +288,8 @@ class Publisher:
                     )
                 if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError(f"gave up waiting for {what}")
+                if self.tracker is not None and self.tracker.behind(shared.flow.restart_point()):
+                    self.tracker.save(*self._restart_where(), force=True)
                 shared.changed.wait(TICK)
 
     def all_left(self) -> bool:

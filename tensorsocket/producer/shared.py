@@ -65,6 +65,7 @@ class Config:
     batches_per_epoch: int | None
     samples_per_epoch: int | None
     stream: str = ""  # this stream's id (a restored consumer's position names the stream it is on)
+    restarted: list[Any] | None = None  # [old stream, epoch]: this stream starts that one's epoch again
 
 
 class Shared:

@@ -1,0 +1,82 @@
+"""Joining a producer: a DEALER socket with a fresh identity, the HELLO / WELCOME exchange
+(at a position, for a restored or rejoining consumer), and the reader for the transport the
+WELCOME names. Used by the I/O thread when it starts and when it rejoins a successor."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from typing import Any
+
+import zmq
+
+from .. import endpoint as endpoints
+from .. import protocol
+from ..errors import ProducerLost, ProtocolError, Refused
+from ..host import boot_id, pid_namespace
+from ..protocol import Kind
+from ..transport import Reader, open_reader
+from .shared import Settings, Shared
+
+_STOP_CHECK = 0.05  # seconds between checks for close() while waiting for WELCOME
+
+
+def connect(settings: Settings) -> zmq.Socket:
+    """A DEALER socket with a fresh identity, connecting (zmq retries until a producer binds)."""
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.SNDHWM, 0)
+    socket.setsockopt(zmq.RCVHWM, 0)
+    socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_REPLY_BYTES)
+    socket.connect(endpoints.connect_address(settings.endpoint))
+    return socket
+
+
+def open_reader_for(welcome: dict[str, Any], settings: Settings) -> Reader:
+    """The reader of the transport the WELCOME names, with the arenas it announced."""
+    reader = open_reader(
+        welcome["transport"], welcome["gpu"], settings.device, settings.stream, settings.check_writes
+    )
+    for arena in welcome["arenas"]:
+        reader.announce(arena)
+    return reader
+
+
+def join(
+    socket: zmq.Socket, settings: Settings, resume: list[Any] | None, wait: float, shared: Shared
+) -> dict[str, Any]:
+    """Send HELLO (at ``resume``, if any) and return the WELCOME, waiting up to ``wait``
+    seconds (a rejoin waits for a successor to bind; close() ends the wait)."""
+    socket.send(
+        protocol.encode(
+            Kind.HELLO,
+            version=protocol.VERSION,
+            pid=os.getpid(),
+            boot_id=boot_id(),
+            pidns=pid_namespace(),
+            label=settings.label,
+            prefetch=settings.prefetch,
+            timeout=settings.timeout,
+            late_join=settings.late_join,
+            batch_size=settings.batch_size,
+            device=str(settings.device),
+            group=None if settings.group is None else list(settings.group),
+            resume=resume,
+        )
+    )
+    deadline = time.monotonic() + wait
+    while not socket.poll(int(min(_STOP_CHECK, max(0.0, deadline - time.monotonic())) * 1000)):
+        shared.io_tick = time.monotonic()  # turning, not frozen (see Batches.catch_up_after_freeze)
+        if time.monotonic() >= deadline or shared.stop.is_set():
+            raise ProducerLost(
+                f"no producer answered at {settings.endpoint} within {wait:g} s; start one "
+                "with Producer(loader, name=...) or check the name / endpoint"
+            )
+    kind, msg = protocol.decode(socket.recv(), protocol.MAX_REPLY_BYTES)
+    if kind is Kind.WELCOME:
+        return msg
+    if kind in (Kind.ERROR, Kind.EVICTED):
+        raise Refused(f"the producer at {settings.endpoint} refused to serve us: {msg['reason']}")
+    raise ProtocolError(f"expected WELCOME from {settings.endpoint}, got {kind.value}")

@@ -1,0 +1,286 @@
+"""Producer restarts under running trainers: a producer started with resume=True continues
+its predecessor's stream from the state file beside its socket, and consumers created with
+reconnect= ride through, exactly once. Real processes: the producer is ``tensorsocket serve
+--resume`` under a supervisor loop that SIGKILLs it; consumers are spawned processes."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tensorsocket import Consumer, Producer, ProducerLost, endpoint
+from tensorsocket.producer import restart
+from tests import restart_pipeline
+from tests.support import SPAWN, shm_segments, wait_until
+
+EPOCHS, SAMPLES, ROWS = 3, 96, 4
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _consume(name: str, options: dict[str, Any], out: Any) -> None:
+    """A trainer: every epoch's (id, noise) samples, in order, and what it was told."""
+    seen: list[list[Any]] = []
+    with Consumer(name=name, timeout=5.0, reconnect=60.0, **options) as consumer:
+        while not consumer.finished:
+            epoch = [(int(i), n.tolist()) for ids, noise in consumer for i, n in zip(ids, noise, strict=True)]
+            if epoch or not consumer.finished:
+                seen.append(epoch)
+        out.put({"options": options, "seen": seen, "repeated": consumer.repeated, "missed": consumer.missed})
+
+
+def _serve(name: str, pipeline: str, log: Path, extra: tuple[str, ...] = ()) -> subprocess.Popen:
+    command = [sys.executable, "-m", "tensorsocket", "serve", f"tests/restart_pipeline.py:{pipeline}"]
+    command += ["--name", name, "--epochs", str(EPOCHS), "--resume", "--slots", "4", "--log-level", "INFO"]
+    command += ["--arg", "delay=0.01", *extra]
+    with open(log, "a") as f:
+        return subprocess.Popen(command, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+
+
+def _wait_serving(proc: subprocess.Popen, log: Path, lives: int) -> None:
+    def serving() -> bool:
+        assert proc.poll() is None, f"the producer exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
+        return log.read_text().count(" serving tests/restart_pipeline.py") >= lives
+
+    wait_until(serving, 60, lambda: f"the producer to serve:\n{log.read_text()[-3000:]}")
+
+
+def _supervise(name: str, pipeline: str, log: Path, kills: int, seed: int) -> list[int]:
+    """Start the producer, SIGKILL it at a random moment ``kills`` times (restarting it each
+    time, as a supervisor does), then let the last one finish; the producers' pids."""
+    rng, pids = random.Random(seed), []
+    for life in range(1, kills + 2):
+        proc = _serve(name, pipeline, log)
+        pids.append(proc.pid)
+        _wait_serving(proc, log, life)
+        if life <= kills:
+            time.sleep(rng.uniform(0.3, 1.0))  # a random batch position (a batch takes ~40 ms)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+    assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
+    return pids
+
+
+def _first_difference(got: list[list[Any]], expected: list[list[Any]]) -> str:
+    """Where two runs part, for a readable failure."""
+    if len(got) != len(expected):
+        return f"{len(got)} epochs, expected {len(expected)}"
+    for epoch, (a, b) in enumerate(zip(got, expected, strict=True)):
+        for i, (x, y) in enumerate(zip(a, b, strict=False)):
+            if x != y:
+                return f"epoch {epoch}, sample {i} (batch {i // ROWS}): {x} != {y}"
+        if len(a) != len(b):
+            return f"epoch {epoch}: {len(a)} samples, expected {len(b)}"
+    return "none"
+
+
+def _by_epoch(results: list[dict[str, Any]], options: dict[str, Any]) -> list[list[Any]]:
+    return next(r["seen"] for r in results if r["options"] == options)
+
+
+@pytest.mark.parametrize("pipeline", ["seeded", "stateful"])
+def test_a_producer_killed_five_times_under_a_supervisor_loses_nothing(name, tmp_path, pipeline):
+    """Three trainers (one re-cutting to its own batch size, one a DDP job of two ranks) ride
+    through five SIGKILLs of the producer at random positions: each sees exactly the
+    uninterrupted loader's sequence, noise included, and nothing is left behind."""
+    expected = restart_pipeline.uninterrupted(getattr(restart_pipeline, pipeline)(), EPOCHS)
+    out = SPAWN.Queue()
+    trainers = [{}, {"batch_size": 3}, *({"group": "job", "rank": r, "world_size": 2} for r in (0, 1))]
+    procs = [SPAWN.Process(target=_consume, args=(name, options, out)) for options in trainers]
+    for p in procs:
+        p.start()
+    log = tmp_path / "producer.log"
+    seed = random.randrange(1 << 16)
+    print(f"kill times seeded with {seed}")  # shown with a failure, to run it again
+    pids = _supervise(name, pipeline, log, kills=5, seed=seed)
+    results = [out.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    text = log.read_text()
+    assert text.count("resuming stream") == 5, text[-3000:]  # the file is written before the first batch
+    assert "starting that epoch again" not in text
+    for result in results:
+        assert result["repeated"] is None and result["missed"] is None, result
+    for options in ({}, {"batch_size": 3}):  # every sample once, in order
+        seen = _by_epoch(results, options)
+        assert seen == expected, (options, _first_difference(seen, expected), text[-4000:])
+    ranks = [_by_epoch(results, {"group": "job", "rank": r, "world_size": 2}) for r in (0, 1)]
+    for epoch in range(EPOCHS):  # batch i went to rank i % 2: interleave them back
+        batches = [ranks[i % 2][epoch][i // 2 * ROWS : (i // 2 + 1) * ROWS] for i in range(SAMPLES // ROWS)]
+        assert [s for b in batches for s in b] == expected[epoch]
+    for pid in pids:
+        assert shm_segments(pid) == []
+    assert not restart.state_path(f"ipc://{restart_pipeline_socket(name)}").exists()
+
+
+def restart_pipeline_socket(name: str) -> str:
+    return endpoint.resolve(name)[len("ipc://") :]
+
+
+def test_a_loader_that_cannot_repeat_its_order_starts_the_epoch_again_and_says_how_many_come_again(
+    name, tmp_path
+):
+    out = SPAWN.Queue()
+    proc = SPAWN.Process(target=_consume, args=(name, {}, out))
+    proc.start()
+    log = tmp_path / "producer.log"
+    first = _serve(name, "unrepeatable", log)
+    _wait_serving(first, log, 1)
+    state = restart.state_path(f"ipc://{restart_pipeline_socket(name)}")
+    wait_until(lambda: state.exists() and restart.read(state).point.index >= 3, 30, "a few batches published")
+    first.send_signal(signal.SIGKILL)
+    first.wait(timeout=30)
+    second = _serve(name, "unrepeatable", log)
+    assert second.wait(timeout=120) == 0, log.read_text()[-3000:]
+    result = out.get(timeout=60)
+    proc.join(timeout=30)
+    assert "starting that epoch again" in log.read_text()
+    again = result["repeated"]
+    assert again is not None and again >= 3, result
+    epoch0 = [i for i, _ in result["seen"][0]]
+    assert len(epoch0) == SAMPLES + again * ROWS  # what it had, then the whole epoch again
+    assert sorted(epoch0[again * ROWS :]) == list(range(SAMPLES))
+    for epoch in result["seen"][1:]:
+        assert sorted(i for i, _ in epoch) == list(range(SAMPLES))
+    assert shm_segments(first.pid) == [] and shm_segments(second.pid) == []
+
+
+def _die_after_publishing(name: str, batches: int) -> None:
+    """A producer process that SIGKILLs itself after ``batches`` batches of a resumable stream."""
+    producer = Producer(restart_pipeline.seeded(), name=name, resume=True, slots=4)
+    for n, _ in enumerate(producer, 1):
+        if n == batches:
+            time.sleep(0.3)  # the I/O thread sends it
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_consumer_waits_for_a_successor_only_as_long_as_it_was_told(name):
+    killer = SPAWN.Process(target=_die_after_publishing, args=(name, 6))
+    killer.start()
+    with Consumer(name=name, timeout=5.0, reconnect=1.0) as consumer:
+        taken, last = 0, 0.0
+        with pytest.raises(ProducerLost, match=r"died; waited 1 s for a producer to continue the stream"):
+            for _ in consumer:
+                taken += 1
+                last = time.monotonic()
+        waited = time.monotonic() - last  # the kill came 0.3 s after the last batch was sent
+        assert 1.0 <= waited < 10, waited
+    killer.join(timeout=30)
+    assert taken == 6
+
+
+def test_a_successor_on_another_stream_is_not_mistaken_for_ours(name):
+    """A producer started without resume=True (or whose state file was removed) publishes
+    other batches under the same numbers: a rejoining consumer must not go on there."""
+    killer = SPAWN.Process(target=_die_after_publishing, args=(name, 3))
+    killer.start()
+    with Consumer(name=name, timeout=5.0, reconnect=30.0) as consumer:
+        it = iter(consumer)
+        for _ in range(3):
+            next(it)
+        killer.join(timeout=30)
+        restart.remove(restart.state_path(f"ipc://{restart_pipeline_socket(name)}"))
+        with Producer(restart_pipeline.seeded(), name=name):
+            with pytest.raises(ProducerLost, match="serves another stream"):
+                next(it)
+
+
+# ---------------------------------------------------------------------- the state file
+
+
+def _state_of_a_run(name: str, loader: Any, batches: int) -> Path:
+    """Publish ``batches`` batches with resume=True (continuing a state file left there, if
+    any) and leave the state file a crash would have left."""
+    producer = Producer(loader, name=name, resume=True, slots=4)
+    with Consumer(name=name, late_join="now") as consumer:
+        it, published = iter(consumer), iter(producer)
+        for n in range(batches):
+            if n == batches - 1:
+                time.sleep(restart.WRITE_EVERY)  # the last one is written
+            next(published)
+            next(it)
+    path = restart.state_path(producer.endpoint)
+    assert path.stat().st_mode & 0o077 == 0 and path.parent == endpoint.runtime_dir()  # private
+    data = path.read_bytes()
+    producer.close()  # a clean end removes the file: put back what a crash would have left
+    assert not path.exists()
+    path.write_bytes(data)
+    return path
+
+
+def test_a_clean_end_removes_the_state_file_and_a_fresh_start_writes_one(name):
+    path = _state_of_a_run(name, restart_pipeline.seeded(), 5)
+    state = restart.read(path)
+    # the consumer released batches 0..3 and holds (or just dropped) batch 4
+    assert (state.point.epoch, state.point.index) in ((0, 4), (0, 5)) and state.loader["mode"] == "rerun"
+    with Producer(restart_pipeline.seeded(), name=name):  # a fresh stream: the old state must go
+        assert not path.exists()
+
+
+def test_a_stateful_successor_that_dies_at_once_can_itself_be_resumed(name):
+    """The successor's first state names the point it restarted at, with the loader's state
+    there (not after the batch it pulled to check it), so its own successor resumes too."""
+    path = _state_of_a_run(name, restart_pipeline.stateful(), 5)
+    before = restart.read(path).point
+    _state_of_a_run(name, restart_pipeline.stateful(), 1)  # resumes, publishes one, "dies"
+    assert restart.read(path).point.index >= before.index
+    with Producer(restart_pipeline.stateful(), name=name, resume=True) as third:  # no ValueError
+        assert third.epoch == 0
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda p: p.write_bytes(b"\x00garbage"), "not a readable producer state"),
+        (lambda p: torch.save({"weights": torch.zeros(2)}, p), "not a tensorsocket producer state"),
+        (
+            lambda p: p.write_bytes(p.read_bytes()[: len(p.read_bytes()) // 2]),
+            "not a readable producer state",
+        ),
+    ],
+    ids=["garbage", "foreign", "truncated"],
+)
+def test_a_damaged_state_file_is_refused_by_name_and_never_resumed(name, damage, message, tmp_path):
+    path = _state_of_a_run(name, restart_pipeline.seeded(), 5)
+    os.environ["TENSORSOCKET_TEST_PWNED"] = str(tmp_path / "pwned")
+    damage(path)
+    with pytest.raises(ValueError, match=message) as info:
+        Producer(restart_pipeline.seeded(), name=name, resume=True)
+    assert str(path) in str(info.value)
+    assert not (tmp_path / "pwned").exists()  # weights_only: nothing in the file ran
+    restart.remove(path)
+
+
+class _Hostile:
+    """Unpickling this would run a shell command (a plain torch.load would)."""
+
+    def __reduce__(self) -> Any:
+        return (os.system, ('touch "$TENSORSOCKET_TEST_PWNED"',))
+
+
+@pytest.mark.parametrize(
+    "other",
+    [lambda: restart_pipeline.seeded(n=100), lambda: [torch.zeros(2)] * 24],
+    ids=["another-dataset-length", "another-loader"],
+)
+def test_a_state_saved_over_another_loader_is_refused(name, other):
+    path = _state_of_a_run(name, restart_pipeline.seeded(), 5)
+    with pytest.raises(ValueError, match="was saved by a producer over"):
+        Producer(other(), name=name, resume=True)
+    with Producer(other(), name=name) as fresh:  # without resume: a fresh stream, as documented
+        assert fresh.epoch == 0
+    restart.remove(path)
+
+
+def test_resume_needs_an_endpoint_consumers_can_find_again():
+    with pytest.raises(ValueError, match="fixed endpoint"):
+        Producer([torch.zeros(1)], endpoint="tcp://127.0.0.1:*", resume=True)
