@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -46,6 +47,14 @@ def set_epoch(loader: Any, epoch: int) -> list[Any]:
     if targets:
         log.debug("epoch %d: set_epoch on %s", epoch, ", ".join(type(t).__name__ for t in targets))
     return targets
+
+
+def open_epoch(loader: Any, epoch: int) -> Iterator[Any]:
+    """Start epoch ``epoch`` of ``loader`` (an iterable, or a function returning one) as a
+    training loop would: ``set_epoch`` first, then ``iter()`` (where a DataLoader draws its
+    order)."""
+    set_epoch(loader, epoch)
+    return iter(loader if isinstance(loader, Iterable) else loader())
 
 
 def node_sampler(

@@ -154,10 +154,8 @@ class Producer:
         resumed = None
         if state is not None:
             restart.check_matches(state, description, path)
-            try:
+            try:  # (its own ValueErrors say what is wrong already)
                 resumed = restart.resume(self.loader, state, uuid.uuid4().hex)
-            except ValueError:
-                raise
             except (TypeError, AttributeError, KeyError, IndexError, RuntimeError) as exc:
                 raise ValueError(
                     f"the state file {path} could not be applied ({type(exc).__name__}: {exc}): remove it "

@@ -10,7 +10,7 @@ from __future__ import annotations
 import errno
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .. import layout, protocol, sharding
@@ -46,7 +46,7 @@ class Publisher:
         self.started = False  # the first batch was pulled
         self.epoch_open = False
         self.index = 0
-        self.first_seq = 0  # the open epoch's first entry
+        self.epoch = self.first_seq = 0  # the open epoch and its first entry (only we move the flow's epoch)
         self.loader_iter: Iterator[Any] | None = None
         self.pending: list[Any] = []  # pulled already (a resume's checked batch): published first
         # resume=True: where to restart from, and the state file; a successor's first epoch
@@ -128,18 +128,19 @@ class Publisher:
                     f"(limit {protocol.MAX_REPLY_BYTES}): its str / bytes / scalar leaves travel in the "
                     "message; put large data in tensors or NumPy arrays"
                 )
-            seq, epoch = shared.flow.next_seq, shared.flow.epoch
+            seq = shared.flow.next_seq
             shared.send_all(shared.flow.publish(place, frame))
             self.index += 1
-            where = self._restart_where()
+            where = self._restart_where() if self.tracker is not None else None
             stats = shared.stats
             stats["published"] += 1
             stats["loader_wait"] += t1 - t0
             stats["publish_time"] += time.perf_counter() - t1
             stats["slot_wait"] += place_wait
         shared.wakeup.wake()
-        if self.tracker is not None:  # (the loader's state_dict() may take a while: not under the lock)
-            self.tracker.published(seq, epoch, self.first_seq, self.index - 1, content)  # type: ignore[arg-type]
+        if self.tracker is not None and where is not None and content is not None:
+            # (the loader's state_dict() may take a while: not under the lock)
+            self.tracker.published(seq, self.epoch, self.first_seq, self.index - 1, content)
             self.tracker.save(*where)
         return batch
 
@@ -155,12 +156,10 @@ class Publisher:
         if self.tracker is None:
             return None
         content = content_fingerprint(plan)
-        with self.shared.changed:
-            epoch = self.shared.flow.epoch
-        expected = self.expected.pop((epoch, self.index), None)
+        expected = self.expected.pop((self.epoch, self.index), None)
         if expected is not None and expected != content:
             raise RuntimeError(
-                f"batch {self.index} of epoch {epoch} differs from the one published under that number "
+                f"batch {self.index} of epoch {self.epoch} differs from the one published under that number "
                 "before the restart: the loader does not repeat its stream; remove the state file "
                 f"{self.tracker.path} to begin a fresh stream"
             )
@@ -224,7 +223,7 @@ class Publisher:
         if self.epoch_open:  # the previous epoch's loop was left early: end it where it is
             self.end_epoch()
         with self.shared.changed:
-            epoch = self.shared.flow.epoch  # the epoch its batches and EPOCH_END will carry
+            epoch = self.epoch = self.shared.flow.epoch  # the epoch its batches and EPOCH_END will carry
             self.first_seq = self.shared.flow.next_seq
         resumed, self.resumed = self.resumed, None
         self.epoch_open = True
@@ -239,8 +238,7 @@ class Publisher:
             with self.shared.changed:
                 where = self._restart_where()
             self.tracker.save(*where, force=True)
-        sharding.set_epoch(loader, epoch)  # before iter(): a DataLoader draws its order there
-        self.loader_iter = iter(loader if isinstance(loader, Iterable) else loader())
+        self.loader_iter = sharding.open_epoch(loader, epoch)
         self.index = 0
         if self.tracker is not None:
             self.tracker.epoch_iterating(epoch)
@@ -256,9 +254,9 @@ class Publisher:
             seq, epoch = shared.flow.next_seq, shared.flow.epoch
             frame = protocol.encode(Kind.EPOCH_END, seq=seq, epoch=epoch)
             shared.send_all(shared.flow.end_epoch(frame))
-            where = self._restart_where()
+            where = self._restart_where() if self.tracker is not None else None
         shared.wakeup.wake()
-        if self.tracker is not None:
+        if self.tracker is not None and where is not None:
             self.tracker.epoch_ended(seq, epoch, self.first_seq, self.index)
             self.tracker.save(*where, force=True)
 

@@ -39,7 +39,7 @@ import random
 import threading
 import time
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -274,8 +274,7 @@ def resume(loader: Any, state: State, new_stream: str) -> Resumed:
         loader.load_state_dict(p.loader_state)
     else:
         set_rng_state(loader, p.rng)  # before iter(): the epoch's order is drawn there
-    sharding.set_epoch(loader, p.epoch)
-    it = iter(loader if isinstance(loader, Iterable) else loader())
+    it = sharding.open_epoch(loader, p.epoch)
     if mid_epoch:  # iter() drew from the generators again: put them back as they were there
         set_rng_state(loader, p.rng)
     if stateful or p.index == 0:  # check the batch at the point, if it was published
