@@ -16,7 +16,7 @@ import msgpack
 
 from .errors import ProtocolError
 
-VERSION = 7
+VERSION = 8
 #: Largest frame a consumer may send; the producer also sets ZMQ_MAXMSGSIZE to this.
 MAX_REQUEST_BYTES = 64 * 1024
 #: Largest frame a producer may send (a BATCH whose layout has very many leaves).
@@ -35,14 +35,16 @@ TAILS = ("pad", "drop")
 class Kind(str, Enum):
     """Message kinds. Consumer to producer: HELLO, READY, RELEASE, HEARTBEAT, STATS, BYE,
     MODIFIED, STATUS (READY: a group member began iterating, from a restored position or not).
-    Producer to consumer: WELCOME, ARENA, BATCH, SKIPPED, EPOCH_END, END, HEARTBEAT, EVICTED,
-    ERROR, STATUS, GROUP_BROKEN. END carries a reason when the producer stopped on an
+    Producer to consumer: WELCOME, ARENA, LAYOUT, BATCH, SKIPPED, EPOCH_END, END, HEARTBEAT,
+    EVICTED, ERROR, STATUS, GROUP_BROKEN. LAYOUT numbers a layout that BATCH messages then name
+    by number (tensorsocket.layout_table); END carries a reason when the producer stopped on an
     error; SKIPPED says how many batches a straggler was moved past, where the gap is;
     GROUP_BROKEN that another member of this consumer's group left (nothing more comes)."""
 
     HELLO = "hello"
     WELCOME = "welcome"
     ARENA = "arena"
+    LAYOUT = "layout"
     BATCH = "batch"
     EPOCH_END = "epoch_end"
     END = "end"
@@ -115,6 +117,15 @@ def _any(v: Any) -> bool:
     return True
 
 
+def _layouts(v: Any) -> bool:
+    # [[number, layout], ...]: the layouts numbered so far (layout_table checks each layout)
+    return (
+        type(v) is list
+        and len(v) <= 1 << 10
+        and all(type(e) is list and len(e) == 2 and _int(0, 1 << 16)(e[0]) for e in v)
+    )
+
+
 def _arena(v: Any) -> bool:
     # [transport, place, ...]: the rest is decoded, strictly, by that transport's reader.
     return type(v) is list and 2 <= len(v) <= 8 and v[0] in TRANSPORTS and _int(0, 1 << 16)(v[1])
@@ -136,6 +147,7 @@ SCHEMA: dict[Kind, dict[str, Callable[[Any], bool]]] = {
         "device": _str(64),
         "group": _opt(_group),
         "resume": _opt(_resume),
+        "check_writes": lambda v: type(v) is bool,  # it checks fingerprints: send them
     },
     Kind.WELCOME: {
         "pid": _int(1, (1 << 31) - 1),
@@ -150,14 +162,16 @@ SCHEMA: dict[Kind, dict[str, Callable[[Any], bool]]] = {
         "heartbeat": _num(0.001, 3600.0),
         "stream": _str(64),  # this stream's id: a consumer's saved position is only good on it
         "restarted": _opt(_restarted),
+        "layouts": _layouts,
     },
     Kind.ARENA: {"arena": _arena},
+    Kind.LAYOUT: {"number": _int(0, 1 << 16), "layout": _any},
     Kind.BATCH: {
         "seq": _int(),
         "epoch": _int(),
         "index": _int(),
         "place": _int(0, 1 << 16),
-        "layout": _any,
+        "layout": _any,  # a layout's number (see LAYOUT), or the layout itself
         "fingerprint": _opt(_int(0, 2**64 - 1)),
     },
     Kind.SKIPPED: {"count": _int(1)},
@@ -174,6 +188,10 @@ SCHEMA: dict[Kind, dict[str, Callable[[Any], bool]]] = {
     Kind.GROUP_BROKEN: {"reason": _str(4096), "at_once": lambda v: type(v) is bool},
     Kind.READY: {"resume": _opt(_resume)},
 }
+
+
+_FIELDS = {kind: frozenset(schema) for kind, schema in SCHEMA.items()}
+_KINDS = {kind.value: kind for kind in Kind}
 
 
 def encode(kind: Kind, **fields: Any) -> bytes:
@@ -203,10 +221,9 @@ def decode(frame: bytes, max_bytes: int = MAX_REQUEST_BYTES) -> tuple[Kind, dict
     if type(msg) is not dict:
         raise ProtocolError(f"message is a {type(msg).__name__}, not a map")
     k = msg.pop("k", None)
-    try:
-        kind = Kind(k)
-    except (ValueError, TypeError):
-        raise ProtocolError(f"unknown message kind {k!r:.40}") from None
+    kind = _KINDS.get(k) if type(k) is str else None
+    if kind is None:
+        raise ProtocolError(f"unknown message kind {k!r:.40}")
     if kind is Kind.HELLO and msg.get("version") != VERSION:
         # Before the fields: another version may have other fields, and this is what to say.
         raise ProtocolError(
@@ -214,12 +231,14 @@ def decode(frame: bytes, max_bytes: int = MAX_REQUEST_BYTES) -> tuple[Kind, dict
             "install the same tensorsocket version on both sides"
         )
     schema = SCHEMA[kind]
+    if msg.keys() != _FIELDS[kind]:
+        missing = [f for f in schema if f not in msg]
+        if missing:
+            raise ProtocolError(f"{kind.value} message lacks field {missing[0]!r}")
+        raise ProtocolError(
+            f"{kind.value} message has unknown fields {sorted(map(str, msg.keys() - schema.keys()))}"
+        )
     for field, check in schema.items():
-        if field not in msg:
-            raise ProtocolError(f"{kind.value} message lacks field {field!r}")
         if not check(msg[field]):
             raise ProtocolError(f"{kind.value} message has a bad {field!r}: {msg[field]!r:.80}")
-    extra = set(msg) - set(schema)
-    if extra:
-        raise ProtocolError(f"{kind.value} message has unknown fields {sorted(map(str, extra))}")
     return kind, msg

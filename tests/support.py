@@ -94,7 +94,7 @@ def same(a: Any, b: Any) -> bool:
         return (
             a.dtype == b.dtype
             and a.shape == b.shape
-            and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+            and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
             if a.numel()
             else a.dtype == b.dtype and a.shape == b.shape
         )

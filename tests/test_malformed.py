@@ -17,11 +17,11 @@ import pytest
 import torch
 import zmq
 
-from tensorsocket import Consumer, Producer, ProducerLost, ProtocolError, protocol
+from tensorsocket import Consumer, Producer, ProducerLost, ProtocolError, layout_table, protocol
 from tensorsocket.endpoint import resolve
 from tensorsocket.host import boot_id, pid_namespace
 from tensorsocket.protocol import Kind
-from tests.support import NestedLoader, expected_batch, join_or_fail, same, wait_until
+from tests.support import NestedLoader, expected_batch, join_or_fail, same, serving, wait_until
 
 EPOCHS = 2
 
@@ -51,6 +51,7 @@ def hello(**override: Any) -> dict[str, Any]:
         "device": "cpu",
         "group": None,
         "resume": None,
+        "check_writes": False,
     }
     fields.update(override)
     return fields
@@ -319,7 +320,7 @@ def test_silent_raw_peer_is_evicted_and_told_so_when_it_returns(name):
 
 class FakeProducer:
     """A raw ROUTER on ``name``'s endpoint: answers the first HELLO with a valid WELCOME
-    announcing ``arenas``, then sends ``frames``. Afterwards it records the kinds the
+    announcing ``arenas`` (and numbered ``layouts``), then sends ``frames``. Afterwards it records the kinds the
     consumer sends (``received``) and answers each kind in ``replies`` with that frame."""
 
     def __init__(
@@ -328,8 +329,10 @@ class FakeProducer:
         arenas: list[list[Any]],
         frames: list[bytes],
         replies: dict[Kind, bytes] | None = None,
+        layouts: list[list[Any]] = (),  # type: ignore[assignment]
     ) -> None:
         self.endpoint = resolve(name=name)
+        self.layouts = list(layouts)
         self.socket = zmq.Context.instance().socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.bind(self.endpoint)
@@ -361,6 +364,7 @@ class FakeProducer:
                 heartbeat=0.1,
                 stream="fake",
                 restarted=None,
+                layouts=self.layouts,
             )
             protocol.decode(welcome, protocol.MAX_REPLY_BYTES)  # our WELCOME itself is valid
             self.socket.send_multipart([cid, welcome])
@@ -456,10 +460,25 @@ BAD_LAYOUTS = {
 }
 
 
-def test_fake_producer_with_a_good_layout_is_served(name, segment):
+def sent(layout: Any, via: str, segment: str) -> dict[str, Any]:
+    """A fake producer's arguments that send ``layout`` with a BATCH: inline, numbered in a
+    LAYOUT message before it, or numbered in the WELCOME."""
+    arenas = [["shm", 0, segment, 4096]]
+    if via == "inline":
+        return {"arenas": arenas, "frames": [batch(layout)]}
+    if via == "LAYOUT":
+        return {"arenas": arenas, "frames": [protocol.encode(Kind.LAYOUT, number=5, layout=layout), batch(5)]}
+    return {"arenas": arenas, "frames": [batch(5)], "layouts": [[5, layout]]}
+
+
+LAYOUT_VIAS = ["inline", "LAYOUT", "WELCOME"]
+
+
+@pytest.mark.parametrize("via", LAYOUT_VIAS)
+def test_fake_producer_with_a_good_layout_is_served(name, segment, via):
     """The control case: the same fake producer with a valid layout yields the batch."""
     layout = [["T", [["t", 0], ["v", "x"]]], [["float32", [4], 0, 16]], 16]
-    fake = FakeProducer(name, arenas=[["shm", 0, segment, 4096]], frames=[batch(layout)])
+    fake = FakeProducer(name, **sent(layout, via, segment))
     try:
         got = consume_one(name)
         assert same(got, (torch.zeros(4), "x"))
@@ -467,12 +486,40 @@ def test_fake_producer_with_a_good_layout_is_served(name, segment):
         fake.close()
 
 
+@pytest.mark.parametrize("via", LAYOUT_VIAS)
 @pytest.mark.parametrize("layout", BAD_LAYOUTS.values(), ids=BAD_LAYOUTS.keys())
-def test_garbage_layout_raises_protocol_error(name, segment, layout):
-    frames = [batch(layout)]
+def test_garbage_layout_raises_protocol_error(name, segment, layout, via):
+    fake = FakeProducer(name, **sent(layout, via, segment))
+    try:
+        with pytest.raises(ProtocolError):
+            consume_one(name)
+    finally:
+        fake.close()
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [
+        [batch(0)],  # never announced
+        [protocol.encode(Kind.LAYOUT, number=1, layout=tensor_layout()), batch(0)],  # another was
+        [batch(True)],  # not a number, not a layout
+    ],
+    ids=["unannounced", "another number", "bool"],
+)
+def test_batch_naming_a_layout_not_announced_raises_protocol_error(name, segment, frames):
     fake = FakeProducer(name, arenas=[["shm", 0, segment, 4096]], frames=frames)
     try:
         with pytest.raises(ProtocolError):
+            consume_one(name)
+    finally:
+        fake.close()
+
+
+def test_more_layouts_than_a_producer_numbers_raise_protocol_error(name, segment):
+    layouts = [[n, tensor_layout()] for n in range(layout_table.MAX_LAYOUTS + 1)]
+    fake = FakeProducer(name, arenas=[["shm", 0, segment, 4096]], frames=[batch(0)], layouts=layouts)
+    try:
+        with pytest.raises(ProtocolError, match="more than"):
             consume_one(name)
     finally:
         fake.close()
@@ -556,3 +603,18 @@ def test_eviction_reply_to_a_release_after_end_does_not_fail_the_consumer(name, 
     finally:
         consumer.close()
         fake.close()
+
+
+@pytest.mark.parametrize("check_writes", [False, True])
+def test_batches_carry_a_fingerprint_only_while_a_consumer_checks_writes(name, check_writes):
+    """A consumer mapping batches read-only (the default) needs no fingerprint: none is taken."""
+    producer = Producer(NestedLoader(3), name=name, slots=2, replay=0)
+    with serving(producer, epochs=1):
+        sock = dealer(producer.endpoint)
+        try:
+            sock.send(protocol.encode(Kind.HELLO, **hello(check_writes=check_writes, prefetch=4)))
+            receive(sock, {Kind.WELCOME})
+            _, msg = receive(sock, {Kind.BATCH}, timeout=10)
+            assert (msg["fingerprint"] is not None) is check_writes
+        finally:
+            sock.close(0)

@@ -14,27 +14,26 @@ import collections
 import weakref
 from typing import Any
 
-from .. import layout
+from ..layout_table import Recipe
 from ..transport import Reader
 from ..wakeup import Wakeup
 from .shared import Shared
 
 
 def build(
-    msg: dict[str, Any], reader: Reader, shared: Shared, copy: bool
+    msg: dict[str, Any], recipe: Recipe, reader: Reader, shared: Shared, copy: bool
 ) -> tuple[Any, Any, weakref.finalize]:
-    """The user's batch from a BATCH message, its lease's token and its release finalizer
-    (I/O thread). Raises ProtocolError / ValueError for a layout that does not fit."""
-    place, seq = msg["place"], msg["seq"]
-    tree, leaves = layout.check(msg["layout"], reader.size(place))
-    nbytes = msg["layout"][2]
+    """The user's batch from a BATCH message and its (checked) layout, its lease's token and
+    its release finalizer (I/O thread). Raises ProtocolError / KeyError / ValueError for a
+    batch that does not fit its place."""
+    place, seq, nbytes = msg["place"], msg["seq"], recipe.nbytes  # (the reader checks it fits the place)
     lease = reader.lease(place, nbytes)
     item = (seq, lease.token, nbytes, msg["fingerprint"], msg["epoch"], msg["index"], reader)
     release = weakref.finalize(
         lease.owner, _release_later, shared.live, shared.released, shared.wakeup, reader, item
     )
     release.atexit = False
-    batch = reader.deliver(layout.build(tree, leaves, lease.region), copy=copy)
+    batch = reader.deliver(recipe.build(lease.region), copy=copy)
     return batch, lease.token, release
 
 
@@ -50,3 +49,14 @@ def _release_later(
         wakeup.wake()
 
     reader.retire(item[1], ready)
+
+
+def modified(label: str, epoch: int, index: int) -> str:
+    """What a consumer says when a batch it held changed in shared memory (``check_writes``)."""
+    return (
+        f"batch {index} of epoch {epoch} changed in shared memory while consumer "
+        f"{label!r} held it. Shared batches are read-only: every trainer reads the same "
+        "memory, so an in-place op (x.sub_(mean), x /= 255, x[...] = ...) corrupts the others' "
+        "data. Use an out-of-place op (x = x - mean) or Consumer(copy=True). If this process "
+        "wrote nothing, another consumer holding the batch did: see the producer's log."
+    )

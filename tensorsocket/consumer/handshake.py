@@ -64,6 +64,7 @@ def join(
             device=str(settings.device),
             group=None if settings.group is None else list(settings.group),
             resume=resume,
+            check_writes=settings.check_writes,
         )
     )
     deadline = time.monotonic() + wait

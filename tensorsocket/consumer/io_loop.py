@@ -16,8 +16,8 @@ import zmq
 from .. import protocol
 from ..errors import Evicted, GroupBroken, ProducerLost, ProtocolError, Refused
 from ..host import pid_alive, same_host
+from ..layout_table import Recipes
 from ..protocol import Kind
-from ..rebatch import batch_length
 from ..transport import Reader
 from . import delivery, handshake, resume
 from .shared import BATCH, END, EPOCH_END, ERROR, RESTARTED, SKIPPED, Settings, Shared
@@ -37,12 +37,13 @@ def run(shared: Shared, settings: Settings, outcome: queue.SimpleQueue[Any]) -> 
     try:
         welcome = handshake.join(socket, settings, resume, settings.timeout, shared)
         reader = handshake.open_reader_for(welcome, settings)
+        recipes = Recipes(welcome["layouts"])
     except BaseException as exc:
         _send_quietly(socket, protocol.encode(Kind.BYE))  # a WELCOME on its way registered us: leave
         socket.close(linger=100)
         outcome.put(exc)
         return
-    io = ConsumerIo(socket, shared, settings, welcome, reader)
+    io = ConsumerIo(socket, shared, settings, welcome, reader, recipes)
     outcome.put((welcome, reader, io))
     try:
         if io.serve():
@@ -69,11 +70,17 @@ class ConsumerIo:
     """The I/O thread's state; only this thread touches the socket."""
 
     def __init__(
-        self, socket: zmq.Socket, shared: Shared, settings: Settings, welcome: dict[str, Any], reader: Reader
+        self,
+        socket: zmq.Socket,
+        shared: Shared,
+        settings: Settings,
+        welcome: dict[str, Any],
+        reader: Reader,
+        recipes: Recipes,
     ) -> None:
         self.socket, self.shared, self.settings = socket, shared, settings
         self.endpoint = settings.endpoint
-        self._welcomed(welcome, reader)
+        self._welcomed(welcome, reader, recipes)
         self.ready_sent = False
         # For a rejoin: the stream and the last entry received (its seq and where the next
         # batch is), so a successor resumes right after it and what came again is dropped.
@@ -84,8 +91,8 @@ class ConsumerIo:
         self.rejoined_at: tuple[int, int] | None = None  # after a rejoin: where the next batch should be
         self.size = 1 if settings.group is None else settings.group[2]
 
-    def _welcomed(self, welcome: dict[str, Any], reader: Reader) -> None:
-        self.reader = reader
+    def _welcomed(self, welcome: dict[str, Any], reader: Reader, recipes: Recipes) -> None:
+        self.reader, self.recipes = reader, recipes  # (a successor numbers its layouts anew)
         self.producer_pid = welcome["pid"]
         self.producer_local = same_host(welcome["boot_id"], welcome["pidns"])
         self.heartbeat = min(welcome["heartbeat"], self.settings.timeout / 4)
@@ -195,13 +202,14 @@ class ConsumerIo:
             return False
         try:
             reader = handshake.open_reader_for(welcome, self.settings)
+            recipes = Recipes(welcome["layouts"])
         except Exception as exc:
             _send_quietly(self.socket, protocol.encode(Kind.BYE))
             self.shared.fail(ProducerLost(f"{why}; its successor's memory cannot be read: {exc}"))
             return False
         old, self.reader = self.reader, None  # type: ignore[assignment]
         old.close()  # the old producer's memory stays mapped under the batches still held
-        self._welcomed(welcome, reader)
+        self._welcomed(welcome, reader, recipes)
         self.ready_sent = False  # a group member says READY again, at its rejoin position
         now = time.monotonic()
         clock.last_seen = clock.last_sent = clock.last_alive = clock.last_awake = now
@@ -255,8 +263,11 @@ class ConsumerIo:
                 if kind in (Kind.BATCH, Kind.EPOCH_END) and not self._new(kind, msg):
                     continue
                 if kind is Kind.BATCH:
-                    batch, token, release = delivery.build(msg, self.reader, shared, self.settings.copy)
-                    samples = batch_length(batch)  # counted here, off the training thread
+                    recipe = self.recipes.get(msg["layout"])
+                    batch, token, release = delivery.build(
+                        msg, recipe, self.reader, shared, self.settings.copy
+                    )
+                    samples = recipe.count(batch)  # counted here, off the training thread
                     payload = (
                         batch,
                         msg["epoch"],
@@ -272,6 +283,8 @@ class ConsumerIo:
                     shared.queue.put((SKIPPED, msg["count"]))
                 elif kind is Kind.ARENA:
                     self.reader.announce(msg["arena"])
+                elif kind is Kind.LAYOUT:
+                    self.recipes.define(msg["number"], msg["layout"])
                 elif kind is Kind.EPOCH_END:
                     shared.queue.put((EPOCH_END, msg["epoch"]))
                 elif kind is Kind.END:
@@ -371,13 +384,7 @@ class ConsumerIo:
         return True
 
     def _report_modified(self, seq: int, epoch: int, index: int) -> None:
-        message = (
-            f"batch {index} of epoch {epoch} changed in shared memory while consumer "
-            f"{self.settings.label!r} held it. Shared batches are read-only: every trainer reads the same "
-            "memory, so an in-place op (x.sub_(mean), x /= 255, x[...] = ...) corrupts the others' "
-            "data. Use an out-of-place op (x = x - mean) or Consumer(copy=True). If this process "
-            "wrote nothing, another consumer holding the batch did: see the producer's log."
-        )
+        message = delivery.modified(self.settings.label, epoch, index)
         log.error("%s", message)
         self.shared.violations.append(message)
         self._send(protocol.encode(Kind.MODIFIED, seq=seq, epoch=epoch, index=index))

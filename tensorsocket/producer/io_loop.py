@@ -204,7 +204,7 @@ class IoLoop:
         transport = shared.store.admit(msg, local)
         peer = Peer(
             msg["label"], msg["pid"], float(msg["timeout"]), local, now, now, msg["device"], msg["batch_size"],
-            transport=transport,
+            transport=transport, check_writes=msg["check_writes"],
         )  # fmt: skip
         member = None
         if msg["group"] is not None:
@@ -238,6 +238,7 @@ class IoLoop:
             heartbeat=_heartbeat_interval(peer),
             stream=config.stream,
             restarted=config.restarted,
+            layouts=shared.layouts.entries,
         )
         shared.outbox.append((cid, welcome))
         shared.send_all(actions)

@@ -87,7 +87,10 @@ class Publisher:
             place = shared.flow.reserve()
             if place is not None:
                 place_box.append(place)
+                check_box.append(shared.fingerprints_wanted())
             return place is not None
+
+        check_box: list[bool] = []
 
         t_place = time.perf_counter()
         self.wait(reserved, None, "a free place")
@@ -102,7 +105,7 @@ class Publisher:
             # Announce after completion: the BATCH goes out only once the bytes are where
             # consumers read them (on a GPU, the copy's event fired), so no consumer ever
             # waits on the producer's GPU work.
-            fingerprint = shared.store.write(place, plan).wait()
+            fingerprint = shared.store.write(place, plan, check_box[0]).wait()
         except BaseException:
             with shared.changed:
                 shared.flow.cancel(place)
@@ -112,13 +115,16 @@ class Publisher:
         with shared.changed:
             if shared.flow.ended:  # closed while we wrote
                 raise Closed(f"producer on {endpoint} was closed")
+            ref, new = shared.layouts.number(plan.encode())
+            if new is not None:  # announced before any BATCH names it (a later joiner: in WELCOME)
+                shared.broadcast(protocol.encode(Kind.LAYOUT, number=new[0], layout=new[1]))
             frame = protocol.encode(
                 Kind.BATCH,
                 seq=shared.flow.next_seq,
                 epoch=shared.flow.epoch,
                 index=self.index,
                 place=place,
-                layout=plan.encode(),
+                layout=ref,
                 fingerprint=fingerprint,
             )
             if len(frame) > protocol.MAX_REPLY_BYTES:

@@ -10,6 +10,7 @@ is read and written under ``changed`` (a Condition over one lock), except where 
   own rule: only the caller's thread writes) and installs them under it; the I/O thread reads
   its descriptors and admits consumers under it; close() closes it under it.
 * ``stats``: the caller's thread adds its timings; the I/O thread counts bad messages.
+* ``layouts``: the caller's thread numbers layouts; the I/O thread reads them for WELCOME.
 * ``first_join``, ``departed``: the I/O thread; ``replay_places``: the caller's thread.
 * ``stop``: an Event, set by close() from any thread; ``wakeup``: any thread pokes it.
 """
@@ -26,6 +27,7 @@ from typing import Any
 
 from .. import gpu_memory, protocol
 from ..flow import Action, Deliver, Flow, GroupBroken, Skipped
+from ..layout_table import LayoutTable
 from ..protocol import Kind
 from ..status import ConsumerStatus, GroupStatus, ProducerStatus, Report, rates
 from ..transport import Store
@@ -46,6 +48,7 @@ class Peer:
     batch_size: int | None = None
     last_sent: float = 0.0
     transport: str = "shm"  # the transport it reads batches through (the store's admit says)
+    check_writes: bool = False  # it checks each batch's fingerprint at release
     # its STATS reports, the last few seconds of them
     stats: collections.deque[Report] = field(default_factory=lambda: collections.deque(maxlen=32))
 
@@ -77,6 +80,7 @@ class Shared:
         self.store = store
         self.peers: dict[Hashable, Peer] = {}
         self.outbox: collections.deque[tuple[Hashable, bytes]] = collections.deque()
+        self.layouts = LayoutTable()
         self.changed = threading.Condition()
         self.wakeup = Wakeup()
         self.stop = threading.Event()
@@ -123,6 +127,12 @@ class Shared:
         self.outbox.extend(
             (cid, frame) for cid, peer in self.peers.items() if transport in (None, peer.transport)
         )
+
+    def fingerprints_wanted(self) -> bool:
+        """Does a joined consumer check fingerprints (lock held)? A host consumer that maps
+        batches read-only (the default) needs none; computing one was ~10% of the
+        publisher's CPU with small batches."""
+        return any(peer.check_writes for peer in self.peers.values())
 
     def _groups(self) -> list[GroupStatus]:
         flow = self.flow

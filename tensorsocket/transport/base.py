@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..errors import ProtocolError
@@ -50,13 +51,14 @@ class Receipt:
 class Lease:
     """A batch's region in a place, as this consumer reads it.
 
-    ``region`` is a flat uint8 tensor over the batch's bytes; every view is made from it.
+    ``region`` is a flat uint8 tensor over the batch's bytes (on the host, a NumPy array:
+    views are made from it in fewer, quicker steps); every view is made from it.
     ``owner`` is the object that owns the region's memory: it is collected exactly when the
     last view (or anything derived from one) dies, so the release finalizer hangs on it.
     ``token`` is what the reader needs afterwards (fingerprint, retire); it must not
     reference ``owner``."""
 
-    region: torch.Tensor
+    region: torch.Tensor | np.ndarray
     owner: object
     token: Any
 
@@ -95,8 +97,9 @@ class Store(abc.ABC):
         one per transport this store serves (each tagged: a consumer gets its own kind's)."""
 
     @abc.abstractmethod
-    def write(self, place: int, plan: Plan) -> Receipt:
-        """Start writing ``plan``'s leaves into ``place`` (already prepared)."""
+    def write(self, place: int, plan: Plan, fingerprint: bool = True) -> Receipt:
+        """Start writing ``plan``'s leaves into ``place`` (already prepared). ``fingerprint``:
+        whether a consumer will check one (a store may compute it anyway)."""
 
     @abc.abstractmethod
     def describe(self) -> list[list[Any]]:

@@ -193,11 +193,12 @@ class CudaStore(Store):
         prepared = mirror.prepare(place, allocation.size)
         return [] if prepared is None else mirror.install(prepared)
 
-    def write(self, place: int, plan: layout.Plan) -> Receipt:
+    def write(self, place: int, plan: layout.Plan, fingerprint: bool = True) -> Receipt:
         """Queue one copy per leaf into the place on the producer's stream: host leaves
         straight from the loader's memory (asynchronous when it is pinned, as a DataLoader
         with pin_memory=True makes it; the driver stages pageable memory itself), GPU leaves
-        device to device after the work that made them."""
+        device to device after the work that made them. The fingerprint is always taken: a
+        consumer cannot map GPU memory read-only, so every GPU consumer checks it."""
         if self._closed:
             raise RuntimeError("the cuda store is closed")
         dst = self._arenas[place].tensor

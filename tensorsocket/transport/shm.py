@@ -20,8 +20,6 @@ import os
 import re
 import secrets
 import shutil
-import threading
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -224,13 +222,14 @@ class ShmStore(Store):
         """``place``'s whole arena, flat uint8 (a GPU store fills its host mirror through it)."""
         return self._arenas[place].tensor
 
-    def write(self, place: int, plan: layout.Plan) -> Receipt:
-        """Write a planned batch into ``place`` (already prepared); done when this returns."""
+    def write(self, place: int, plan: layout.Plan, fingerprint: bool = True) -> Receipt:
+        """Write a planned batch into ``place`` (already prepared); done when this returns.
+        Its fingerprint only if asked: a consumer that maps batches read-only needs none."""
         if self._closed:
             raise RuntimeError("the shared-memory store is closed")
         arena = self._arenas[place]
         layout.write(plan, arena.tensor)
-        return Receipt(layout.fingerprint(arena.tensor[: plan.nbytes]))
+        return Receipt(layout.fingerprint(arena.array[: plan.nbytes]) if fingerprint else None)
 
     def close(self) -> None:
         """Unlink every segment; idempotent. A write still running keeps its mapping (and
@@ -276,7 +275,7 @@ class ShmReader(Reader):
         region = self.region(place, nbytes)
         # The token is the mapping, not the region: the release check reads the very memory
         # this batch lived in without keeping the region (and so the finalizer) from firing.
-        return Lease(_tensor_over(region), region, region.base)
+        return Lease(region, region, region.base)
 
     def region(self, place: int, nbytes: int) -> np.ndarray:
         info = self._infos[place]
@@ -309,22 +308,3 @@ def open_segment(name: str, size: int, writable: bool = True) -> mmap.mmap:
     if not _SEGMENT_NAME.fullmatch(name) or ".." in name:
         raise ValueError(f"arena name {name!r:.80} is not a {PREFIX}* segment in {SHM_DIR}")
     return _map(os.path.join(SHM_DIR, name), size, create=False, writable=writable)
-
-
-_quiet = threading.Lock()
-_warned = False
-
-
-def _tensor_over(region: np.ndarray) -> torch.Tensor:
-    """``torch.from_numpy(region)``. Over a read-only region torch warns once per process that
-    the array is not writable (``TORCH_WARN_ONCE``): that is the point here, so the one warning
-    is swallowed, at the first region."""
-    global _warned
-    if _warned or region.flags.writeable:
-        return torch.from_numpy(region)
-    with _quiet:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            tensor = torch.from_numpy(region)
-        _warned = True
-    return tensor

@@ -1,0 +1,177 @@
+"""Layouts sent once, by number; pure.
+
+Almost every loader repeats a handful of layouts (the same tensors of the same shapes, a
+short last batch). Checking and re-encoding the same layout for every batch was a fifth of a
+consumer's CPU with small batches, so a producer numbers the layouts it publishes
+(:class:`LayoutTable`) and announces each once: in a LAYOUT message to the consumers joined,
+in WELCOME to one that joins later. A BATCH then carries the number. A consumer checks each
+announced layout once, when it arrives, and keeps it compiled for building views
+(:class:`Recipes`, :class:`Recipe`).
+
+Layouts that change with every batch (variable-length sequences, or plain values such as file
+names, which travel inside the layout) would fill any table: a layout is numbered the second
+time it is seen, and past :data:`MAX_LAYOUTS` (or :data:`MAX_TABLE_BYTES`) a batch carries its
+layout inline, checked and built as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import numpy as np
+import torch
+
+from . import layout
+from .errors import ProtocolError
+from .rebatch import batch_length
+
+MAX_LAYOUTS = 64  # numbered per stream; each consumer keeps them all
+MAX_TABLE_BYTES = 1 << 20  # their encoded size together (a WELCOME carries them all)
+_SEEN_ONCE = 256  # the last layouts seen once: one of them seen again is numbered
+_ANY_SIZE = 1 << 62  # a numbered layout is checked before any arena: the BATCH's arena is checked then
+
+
+class LayoutTable:
+    """Producer side: the layouts numbered so far (never renumbered: a BATCH kept for replay
+    names its layout for as long as the stream lasts). Used under the producer's lock."""
+
+    def __init__(self) -> None:
+        self._numbers: dict[bytes, int] = {}
+        self._seen_once: dict[bytes, None] = {}  # oldest first
+        self.entries: list[list[Any]] = []  # [number, layout] as WELCOME carries them
+        self._bytes = 0
+
+    def number(self, encoded: list[Any]) -> tuple[int | list[Any], list[Any] | None]:
+        """What a BATCH with this layout carries (its number, or the layout itself once the
+        table is full), and the ``[number, layout]`` to announce before it when it is new."""
+        key = msgpack.packb(encoded, use_bin_type=True)
+        known = self._numbers.get(key)
+        if known is not None:
+            return known, None
+        if len(self.entries) >= MAX_LAYOUTS or self._bytes + len(key) > MAX_TABLE_BYTES:
+            return encoded, None
+        if key not in self._seen_once:  # a first sight: one-off layouts must not fill the table
+            self._seen_once[key] = None
+            if len(self._seen_once) > _SEEN_ONCE:
+                del self._seen_once[next(iter(self._seen_once))]
+            return encoded, None
+        del self._seen_once[key]
+        known = self._numbers[key] = len(self.entries)
+        entry = [known, encoded]
+        self.entries.append(entry)
+        self._bytes += len(key)
+        return known, entry
+
+
+class Recipes:
+    """Consumer side: the layouts announced on this stream, checked and compiled."""
+
+    def __init__(self, entries: list[list[Any]] = ()) -> None:  # type: ignore[assignment]
+        self._by_number: dict[int, Recipe] = {}
+        for number, encoded in entries:
+            self.define(number, encoded)
+
+    def define(self, number: int, encoded: Any) -> None:
+        """Check an announced layout (ProtocolError if malformed, or one too many)."""
+        if number not in self._by_number and len(self._by_number) >= MAX_LAYOUTS:
+            raise ProtocolError(f"producer announced more than {MAX_LAYOUTS} layouts")
+        self._by_number[number] = Recipe(encoded)
+
+    def get(self, ref: Any) -> Recipe:
+        """The recipe a BATCH names: by number, or inline (checked now)."""
+        if type(ref) is int:
+            recipe = self._by_number.get(ref)
+            if recipe is None:
+                raise ProtocolError(f"BATCH names layout {ref}, which was not announced")
+            return recipe
+        return Recipe(ref)
+
+
+class Recipe:
+    """A checked layout, compiled: for each leaf the slice of the region it reads and how to
+    view it, so a batch is built in a few NumPy steps per leaf (a torch slice-and-view chain
+    costs ~3x as much)."""
+
+    def __init__(self, encoded: Any) -> None:
+        self.tree, self.leaves = layout.check(encoded, _ANY_SIZE)
+        self.nbytes: int = encoded[2]
+        tags: dict[int, str] = {}
+        _tags(self.tree, tags)
+        self._host = [_host_step(leaf, tags.get(i, layout.TENSOR)) for i, leaf in enumerate(self.leaves)]
+        self.samples: int | None = None  # of a built batch (rebatch.batch_length), from the first one
+        self._counted = False
+
+    def build(self, region: torch.Tensor | np.ndarray) -> Any:
+        """The batch as views of ``region`` (see :func:`layout.build`; same result)."""
+        if not isinstance(region, np.ndarray):  # a device region: torch's own views
+            return layout.build(self.tree, self.leaves, region)
+        views = [step(region) for step in self._host]
+        return _assemble(self.tree, views)
+
+    def count(self, batch: Any) -> int | None:
+        """The samples in a batch built from this recipe (the same for every one)."""
+        if not self._counted:
+            self.samples, self._counted = batch_length(batch), True
+        return self.samples
+
+
+def _tags(node: list[Any], tags: dict[int, str]) -> None:
+    tag, payload = node
+    if tag in (layout.TUPLE, layout.LIST):
+        for child in payload:
+            _tags(child, tags)
+    elif tag == layout.DICT:
+        for _, child in payload:
+            _tags(child, tags)
+    elif tag != layout.VALUE:
+        tags[payload] = tag
+
+
+def _numpy_twins() -> dict[str, np.dtype]:
+    """The torch dtypes (by wire name) that torch.from_numpy makes from a NumPy dtype."""
+    twins = {}
+    for code in "?bBhHiIlLefdFD":
+        try:
+            dtype = torch.from_numpy(np.empty(0, dtype=code)).dtype
+        except TypeError:  # a NumPy dtype torch has no twin for
+            continue
+        twins[layout.TORCH_NAMES[dtype]] = np.dtype(code)
+    return twins
+
+
+_NUMPY_TWINS = _numpy_twins()  # bfloat16, the float8s, complex32 ... have none
+
+
+def _host_step(leaf: layout.Leaf, tag: str) -> Any:
+    """A function of the host region that returns this leaf's view (as layout.build makes it)."""
+    start, end, shape = leaf.offset, leaf.offset + leaf.nbytes, leaf.shape
+    if tag == layout.TENSOR:
+        twin = _NUMPY_TWINS.get(leaf.dtype)
+        if twin is not None:
+            return lambda region: layout.tensor_over(region[start:end].view(twin).reshape(shape))
+        dtype = layout.TORCH_DTYPES[leaf.dtype]
+        if leaf.nbytes == 0:
+            return lambda region: torch.empty(shape, dtype=dtype)
+        return lambda region: layout.tensor_over(region[start:end]).view(dtype).view(shape)
+    np_dtype = np.dtype(leaf.dtype)
+
+    def array(region: np.ndarray) -> Any:
+        a = region[start:end].view(np_dtype).reshape(shape)
+        a.flags.writeable = False
+        return a[()] if tag == layout.NPSCALAR else a
+
+    return array
+
+
+def _assemble(node: list[Any], views: list[Any]) -> Any:
+    tag, payload = node
+    if tag == layout.TUPLE:
+        return tuple(_assemble(c, views) for c in payload)
+    if tag == layout.LIST:
+        return [_assemble(c, views) for c in payload]
+    if tag == layout.DICT:
+        return {k: _assemble(c, views) for k, c in payload}
+    if tag == layout.VALUE:
+        return payload
+    return views[payload]

@@ -1,0 +1,226 @@
+"""Layouts sent once, by number: the producer's table, the consumer's compiled recipes (the
+same batch as layout.build, bit for bit, as views), and a stream whose layouts outgrow the
+table, with a late joiner that learns the numbers from its WELCOME."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tensorsocket import Producer, layout, layout_table
+from tensorsocket.errors import ProtocolError
+from tensorsocket.layout_table import LayoutTable, Recipe, Recipes
+from tests.support import SPAWN, same, serving, wait_until
+
+
+def _random(dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """A 3x2 tensor of ``dtype`` with random bytes (0 or 1 for bool)."""
+    size = 6 * dtype.itemsize
+    raw = np.random.default_rng(seed).integers(0, 2 if dtype is torch.bool else 256, size, dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).reshape(3, 2)
+
+
+def _batches() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(3)
+    every_dtype = {name: _random(d, seed) for seed, (name, d) in enumerate(layout.TORCH_DTYPES.items())}
+    return {
+        "every torch dtype": every_dtype,
+        "nested": (
+            torch.rand(4, 3, generator=g),
+            [
+                torch.arange(5),
+                {"np": np.arange(6, dtype=np.float16).reshape(2, 3), "v": [None, 1, "s", b"b"]},
+            ],
+            np.float64(2.5),
+            np.int8(-3),
+        ),
+        "zero-size and 0-d": (
+            torch.zeros(0, 7),
+            torch.tensor(7),
+            np.zeros((0, 2), dtype=np.int32),
+            np.array(1.5),
+        ),
+        "bool and bfloat16": (
+            torch.rand(4, generator=g) > 0.5,
+            torch.rand(4, generator=g).to(torch.bfloat16),
+        ),
+        "one tensor": torch.rand(2, 2, generator=g),
+        "no leaves": {"a": None, "b": [1, 2.0]},
+    }
+
+
+def _written(batch: Any) -> tuple[list[Any], np.ndarray]:
+    plan = layout.plan(batch)
+    region = np.zeros(max(plan.nbytes, 1), dtype=np.uint8)
+    layout.write(plan, torch.from_numpy(region))
+    return plan.encode(), region[: plan.nbytes]
+
+
+def _kinds(batch: Any) -> list[str]:
+    """Each leaf's kind and read-only flag, in order (what `same` does not compare)."""
+    out: list[str] = []
+    layout.map_tensors(batch, lambda t: out.append(f"tensor {t.dtype}") or t)
+    if isinstance(batch, np.ndarray | np.generic):
+        out.append(f"numpy {type(batch).__name__} {getattr(batch, 'flags', None) and batch.flags.writeable}")
+    elif isinstance(batch, dict | list | tuple):
+        for child in batch.values() if isinstance(batch, dict) else batch:
+            if not isinstance(child, torch.Tensor):
+                out.extend(_kinds(child))
+    return out
+
+
+@pytest.mark.parametrize("writable", [False, True], ids=["read-only", "writable"])
+@pytest.mark.parametrize("batch", _batches().values(), ids=_batches().keys())
+def test_a_recipe_builds_what_layout_build_builds(batch, writable):
+    encoded, region = _written(batch)
+    region.flags.writeable = writable
+    recipe = Recipe(encoded)
+    tree, leaves = layout.check(encoded, region.size)
+    expected = layout.build(tree, leaves, region)
+    got = recipe.build(region)
+    assert same(got, expected) and same(got, batch if not isinstance(batch, np.generic) else batch)
+    assert _kinds(got) == _kinds(expected)
+    # and from a torch region (what a GPU reader leases): torch's own views
+    assert same(recipe.build(torch.from_numpy(region.copy())), expected)
+
+
+def test_recipe_views_are_zero_copy_and_keep_the_region_alive():
+    batch = (torch.rand(8, 4), np.arange(3, dtype=np.int64))
+    encoded, region = _written(batch)
+    tensor, array = Recipe(encoded).build(region)
+    start = region.ctypes.data
+    assert start <= tensor.data_ptr() < start + region.size
+    assert start <= array.ctypes.data < start + region.size
+    assert not array.flags.writeable
+    del region  # the views hold the memory: still the same bytes
+    assert same((tensor, array), batch)
+
+
+def test_a_recipe_counts_the_samples_batch_length_counts():
+    encoded, region = _written({"meta": ["x"], "x": torch.zeros(5, 2), "y": torch.zeros(3)})
+    recipe = Recipe(encoded)
+    assert recipe.count(recipe.build(region)) == 5
+
+
+def test_the_table_numbers_a_layout_seen_again_and_announces_it_once():
+    table = LayoutTable()
+    a, b = layout.plan(torch.zeros(2, 3)).encode(), layout.plan((torch.zeros(2), 1)).encode()
+    assert table.number(a) == (a, None)  # seen once: inline (a one-off must not take a number)
+    assert table.number(b) == (b, None)
+    assert table.number(b) == (0, [0, b])
+    assert table.number(a) == (1, [1, a])
+    assert table.number(a) == (1, None) and table.number(b) == (0, None)
+    assert table.entries == [[0, b], [1, a]]
+
+
+def test_layouts_seen_once_long_ago_are_forgotten():
+    table = LayoutTable()
+    first = layout.plan(torch.zeros(1)).encode()
+    table.number(first)
+    for n in range(300):
+        table.number(layout.plan(torch.zeros(n + 2)).encode())
+    assert table.number(first) == (first, None)  # a first sight again
+    assert table.entries == []
+
+
+def _numbered(table: LayoutTable, encoded: list[Any]) -> Any:
+    table.number(encoded)
+    return table.number(encoded)[0]
+
+
+def test_a_full_table_sends_new_layouts_inline():
+    table = LayoutTable()
+    for n in range(layout_table.MAX_LAYOUTS):
+        assert _numbered(table, layout.plan(torch.zeros(n + 1)).encode()) == n
+    extra = layout.plan(torch.zeros(1000)).encode()
+    assert _numbered(table, extra) == extra
+    assert table.number(layout.plan(torch.zeros(5)).encode()) == (4, None)  # the known still are
+    big = LayoutTable()
+    huge = layout.plan({f"k{i:06d}": 0 for i in range(100_000)}).encode()  # over MAX_TABLE_BYTES
+    assert _numbered(big, huge) == huge and big.entries == []
+
+
+def test_recipes_refuse_unknown_numbers_and_too_many_layouts():
+    recipes = Recipes([[3, layout.plan(torch.zeros(2)).encode()]])
+    assert recipes.get(3).nbytes == 256  # one aligned leaf
+    with pytest.raises(ProtocolError, match="not announced"):
+        recipes.get(4)
+    with pytest.raises(ProtocolError):
+        recipes.define(5, ["not", "a layout"])
+    for n in range(layout_table.MAX_LAYOUTS - 1):
+        recipes.define(100 + n, layout.plan(torch.zeros(1)).encode())
+    recipes.define(3, layout.plan(torch.zeros(1)).encode())  # a number again: replaced, not added
+    with pytest.raises(ProtocolError, match="more than"):
+        recipes.define(999, layout.plan(torch.zeros(1)).encode())
+
+
+# --- a stream whose layouts outgrow the table ------------------------------------------------
+
+BATCHES = layout_table.MAX_LAYOUTS + 16
+
+
+def many_shapes(index: int) -> Any:
+    """Batch ``index``: two new layouts (widths) per batch for the first BATCHES - 8, enough to
+    fill the table, then layouts seen before; with a plain value that repeats every 3."""
+    width = 1 + (index if index < BATCHES - 8 else index % 5)
+    g = torch.Generator().manual_seed(index)
+    return torch.rand(2, width, generator=g), {"i": torch.tensor([index]), "s": f"b{index % 3}"}
+
+
+class ManyShapes:
+    def __len__(self) -> int:
+        return BATCHES
+
+    def __iter__(self) -> Any:
+        for i in range(BATCHES):
+            time.sleep(0.01)  # a stream that lasts while the late joiner joins
+            yield many_shapes(i)
+
+
+def consume_many(name: str, late: bool, go: Any, results: Any) -> None:
+    from tensorsocket import Consumer
+
+    report: dict[str, Any] = {"late": late, "bad": [], "seen": [], "error": None}
+    try:
+        go.wait(60)
+        with Consumer(name=name, timeout=30, late_join="replay" if late else "now") as consumer:
+            for epoch in range(2):
+                for batch in consumer:
+                    index = int(batch[1]["i"])
+                    report["seen"].append((epoch, index))
+                    if not same(batch, many_shapes(index)):
+                        report["bad"].append((epoch, index))
+    except Exception as exc:
+        report["error"] = f"{type(exc).__name__}: {exc}"
+    results.put(report)
+
+
+def test_layouts_past_the_table_travel_inline_and_a_late_joiner_gets_the_numbers(name):
+    results, go_first, go_late = SPAWN.Queue(), SPAWN.Event(), SPAWN.Event()
+    procs = [
+        SPAWN.Process(target=consume_many, args=(name, late, go, results))
+        for late, go in ((False, go_first), (True, go_late))
+    ]
+    for p in procs:
+        p.start()
+    producer = Producer(ManyShapes(), name=name, slots=4, replay=1 << 24, min_consumers=1)
+    with serving(producer, epochs=2) as (thread, errors):
+        go_first.set()
+        wait_until(lambda: producer.status()["next_seq"] >= BATCHES // 2, 60, "half an epoch published")
+        go_late.set()  # joins mid-stream: the numbers so far come in its WELCOME
+        thread.join(120)
+        assert not errors, errors
+    reports = {r["late"]: r for r in (results.get(timeout=60) for _ in procs)}
+    for p in procs:
+        p.join(30)
+    whole = [(e, i) for e in range(2) for i in range(BATCHES)]
+    for report in reports.values():
+        assert report["error"] is None and report["bad"] == [], report
+    assert reports[False]["seen"] == whole
+    late = reports[True]["seen"]
+    assert len(late) >= BATCHES and late == whole[-len(late) :]  # from a replayed epoch's start
+    assert len(producer._shared.layouts.entries) == layout_table.MAX_LAYOUTS  # the table did fill
