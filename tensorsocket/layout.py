@@ -26,6 +26,7 @@ from .errors import ProtocolError
 ALIGN = 256
 MAX_DEPTH = 64
 MAX_LEAVES = 1 << 16
+_MEMMOVE_MAX = 256 << 10  # leaves up to this size are written with one memmove
 _FINGERPRINT_SAMPLES = 1024
 
 # Tree node tags. Nodes are [tag, payload] lists so msgpack carries them as they are.
@@ -178,19 +179,17 @@ def write(p: Plan, arena: torch.Tensor) -> None:
             address = src.ctypes.data
         else:
             address = src.data_ptr() if src.device.type == "cpu" else 0
-        if host and address and leaf.nbytes <= _MEMMOVE_MAX:
-            # A small leaf, host to host: one memmove (a torch slice-view-copy_ chain costs
-            # ~6x as much per leaf). plan() made the source contiguous and the check above
-            # keeps the copy inside the arena.
+        if (
+            host
+            and address
+            and leaf.nbytes <= _MEMMOVE_MAX
+            and src.nbytes == leaf.nbytes <= p.nbytes - leaf.offset
+        ):
+            # A small leaf host to host: one memmove (~6x quicker than torch's slice-view-copy_;
+            # plan() made the source contiguous, the checks keep it inside source and arena).
             ctypes.memmove(base + leaf.offset, address, leaf.nbytes)
-        else:
-            # One path for host and device arenas: copy_ goes host to host, host to device or
-            # device to device as the two tensors' devices say (on the current stream); and
-            # for large leaves torch copies with several threads.
+        else:  # copy_ goes host or device to host or device, on the current stream, threaded
             arena[leaf.offset : leaf.offset + leaf.nbytes].copy_(leaf_bytes(src))
-
-
-_MEMMOVE_MAX = 256 << 10
 
 
 def leaf_bytes(src: torch.Tensor | np.ndarray) -> torch.Tensor:

@@ -16,6 +16,7 @@ layout inline, checked and built as before.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import msgpack
@@ -37,19 +38,20 @@ class LayoutTable:
     names its layout for as long as the stream lasts). Used under the producer's lock."""
 
     def __init__(self) -> None:
+        # by key(): a digest, so what is kept of a layout seen once is 16 bytes, whatever its size
         self._numbers: dict[bytes, int] = {}
         self._seen_once: dict[bytes, None] = {}  # oldest first
         self.entries: list[list[Any]] = []  # [number, layout] as WELCOME carries them
         self._bytes = 0
 
-    def number(self, encoded: list[Any]) -> tuple[int | list[Any], list[Any] | None]:
-        """What a BATCH with this layout carries (its number, or the layout itself once the
-        table is full), and the ``[number, layout]`` to announce before it when it is new."""
-        key = msgpack.packb(encoded, use_bin_type=True)
+    def number(self, encoded: list[Any], key: tuple[bytes, int]) -> tuple[int | list[Any], list[Any] | None]:
+        """What a BATCH with this layout (and its :func:`key`) carries: its number, or the
+        layout itself; and the ``[number, layout]`` to announce before it when it is new."""
+        key, size = key
         known = self._numbers.get(key)
         if known is not None:
             return known, None
-        if len(self.entries) >= MAX_LAYOUTS or self._bytes + len(key) > MAX_TABLE_BYTES:
+        if len(self.entries) >= MAX_LAYOUTS or self._bytes + size > MAX_TABLE_BYTES:
             return encoded, None
         if key not in self._seen_once:  # a first sight: one-off layouts must not fill the table
             self._seen_once[key] = None
@@ -60,8 +62,14 @@ class LayoutTable:
         known = self._numbers[key] = len(self.entries)
         entry = [known, encoded]
         self.entries.append(entry)
-        self._bytes += len(key)
+        self._bytes += size
         return known, entry
+
+
+def key(encoded: list[Any]) -> tuple[bytes, int]:
+    """A layout's key in the table: a digest of its encoding, and the encoding's size."""
+    packed = msgpack.packb(encoded, use_bin_type=True)
+    return hashlib.blake2b(packed, digest_size=16).digest(), len(packed)
 
 
 class Recipes:
@@ -69,6 +77,7 @@ class Recipes:
 
     def __init__(self, entries: list[list[Any]] = ()) -> None:  # type: ignore[assignment]
         self._by_number: dict[int, Recipe] = {}
+        self._leaves = 0  # in the layouts kept: a producer cannot make us keep more than a batch's worth
         for number, encoded in entries:
             self.define(number, encoded)
 
@@ -76,7 +85,12 @@ class Recipes:
         """Check an announced layout (ProtocolError if malformed, or one too many)."""
         if number not in self._by_number and len(self._by_number) >= MAX_LAYOUTS:
             raise ProtocolError(f"producer announced more than {MAX_LAYOUTS} layouts")
-        self._by_number[number] = Recipe(encoded)
+        recipe = Recipe(encoded)
+        old = self._by_number.get(number)
+        self._leaves += len(recipe.leaves) - (len(old.leaves) if old is not None else 0)
+        if self._leaves > layout.MAX_LEAVES:
+            raise ProtocolError(f"producer announced layouts of more than {layout.MAX_LEAVES} leaves in all")
+        self._by_number[number] = recipe
 
     def get(self, ref: Any) -> Recipe:
         """The recipe a BATCH names: by number, or inline (checked now)."""
@@ -85,7 +99,7 @@ class Recipes:
             if recipe is None:
                 raise ProtocolError(f"BATCH names layout {ref}, which was not announced")
             return recipe
-        return Recipe(ref)
+        return Recipe(ref, compiled=False)  # used once: checked, not compiled
 
 
 class Recipe:
@@ -93,18 +107,23 @@ class Recipe:
     view it, so a batch is built in a few NumPy steps per leaf (a torch slice-and-view chain
     costs ~3x as much)."""
 
-    def __init__(self, encoded: Any) -> None:
+    def __init__(self, encoded: Any, compiled: bool = True) -> None:
         self.tree, self.leaves = layout.check(encoded, _ANY_SIZE)
         self.nbytes: int = encoded[2]
         tags: dict[int, str] = {}
-        _tags(self.tree, tags)
-        self._host = [_host_step(leaf, tags.get(i, layout.TENSOR)) for i, leaf in enumerate(self.leaves)]
+        if compiled:
+            _tags(self.tree, tags)
+        self._host = (
+            [_host_step(leaf, tags.get(i, layout.TENSOR)) for i, leaf in enumerate(self.leaves)]
+            if compiled
+            else None
+        )
         self.samples: int | None = None  # of a built batch (rebatch.batch_length), from the first one
         self._counted = False
 
     def build(self, region: torch.Tensor | np.ndarray) -> Any:
         """The batch as views of ``region`` (see :func:`layout.build`; same result)."""
-        if not isinstance(region, np.ndarray):  # a device region: torch's own views
+        if self._host is None or not isinstance(region, np.ndarray):  # torch's own views
             return layout.build(self.tree, self.leaves, region)
         views = [step(region) for step in self._host]
         return _assemble(self.tree, views)

@@ -4,7 +4,10 @@ table, with a late joiner that learns the numbers from its WELCOME."""
 
 from __future__ import annotations
 
+import gc
+import mmap
 import time
+import weakref
 from typing import Any
 
 import numpy as np
@@ -82,22 +85,36 @@ def test_a_recipe_builds_what_layout_build_builds(batch, writable):
     tree, leaves = layout.check(encoded, region.size)
     expected = layout.build(tree, leaves, region)
     got = recipe.build(region)
-    assert same(got, expected) and same(got, batch if not isinstance(batch, np.generic) else batch)
+    assert same(got, expected) and same(got, batch)
     assert _kinds(got) == _kinds(expected)
     # and from a torch region (what a GPU reader leases): torch's own views
     assert same(recipe.build(torch.from_numpy(region.copy())), expected)
 
 
 def test_recipe_views_are_zero_copy_and_keep_the_region_alive():
+    """As the shm reader leases it: a region over a mapping, a finalizer on the region (the
+    release), which must fire only once the last view is gone."""
     batch = (torch.rand(8, 4), np.arange(3, dtype=np.int64))
-    encoded, region = _written(batch)
+    encoded, written = _written(batch)
+    mapping = mmap.mmap(-1, written.size)
+    mapping[:] = written.tobytes()
+    region = np.frombuffer(mapping, dtype=np.uint8)
+    released = []
+    weakref.finalize(region, released.append, True)
     tensor, array = Recipe(encoded).build(region)
     start = region.ctypes.data
     assert start <= tensor.data_ptr() < start + region.size
     assert start <= array.ctypes.data < start + region.size
     assert not array.flags.writeable
-    del region  # the views hold the memory: still the same bytes
-    assert same((tensor, array), batch)
+    del region
+    gc.collect()
+    assert released == [] and same((tensor, array), batch)  # the views hold the region
+    del tensor
+    gc.collect()
+    assert released == []
+    del array
+    gc.collect()
+    assert released == [True]
 
 
 def test_a_recipe_counts_the_samples_batch_length_counts():
@@ -106,30 +123,34 @@ def test_a_recipe_counts_the_samples_batch_length_counts():
     assert recipe.count(recipe.build(region)) == 5
 
 
+def num(table: LayoutTable, encoded: list[Any]) -> Any:
+    return table.number(encoded, layout_table.key(encoded))
+
+
 def test_the_table_numbers_a_layout_seen_again_and_announces_it_once():
     table = LayoutTable()
     a, b = layout.plan(torch.zeros(2, 3)).encode(), layout.plan((torch.zeros(2), 1)).encode()
-    assert table.number(a) == (a, None)  # seen once: inline (a one-off must not take a number)
-    assert table.number(b) == (b, None)
-    assert table.number(b) == (0, [0, b])
-    assert table.number(a) == (1, [1, a])
-    assert table.number(a) == (1, None) and table.number(b) == (0, None)
+    assert num(table, a) == (a, None)  # seen once: inline (a one-off must not take a number)
+    assert num(table, b) == (b, None)
+    assert num(table, b) == (0, [0, b])
+    assert num(table, a) == (1, [1, a])
+    assert num(table, a) == (1, None) and num(table, b) == (0, None)
     assert table.entries == [[0, b], [1, a]]
 
 
 def test_layouts_seen_once_long_ago_are_forgotten():
     table = LayoutTable()
     first = layout.plan(torch.zeros(1)).encode()
-    table.number(first)
+    num(table, first)
     for n in range(300):
-        table.number(layout.plan(torch.zeros(n + 2)).encode())
-    assert table.number(first) == (first, None)  # a first sight again
+        num(table, layout.plan(torch.zeros(n + 2)).encode())
+    assert num(table, first) == (first, None)  # a first sight again
     assert table.entries == []
 
 
 def _numbered(table: LayoutTable, encoded: list[Any]) -> Any:
-    table.number(encoded)
-    return table.number(encoded)[0]
+    num(table, encoded)
+    return num(table, encoded)[0]
 
 
 def test_a_full_table_sends_new_layouts_inline():
@@ -138,7 +159,7 @@ def test_a_full_table_sends_new_layouts_inline():
         assert _numbered(table, layout.plan(torch.zeros(n + 1)).encode()) == n
     extra = layout.plan(torch.zeros(1000)).encode()
     assert _numbered(table, extra) == extra
-    assert table.number(layout.plan(torch.zeros(5)).encode()) == (4, None)  # the known still are
+    assert num(table, layout.plan(torch.zeros(5)).encode()) == (4, None)  # the known still are
     big = LayoutTable()
     huge = layout.plan({f"k{i:06d}": 0 for i in range(100_000)}).encode()  # over MAX_TABLE_BYTES
     assert _numbered(big, huge) == huge and big.entries == []
@@ -164,9 +185,10 @@ BATCHES = layout_table.MAX_LAYOUTS + 16
 
 
 def many_shapes(index: int) -> Any:
-    """Batch ``index``: two new layouts (widths) per batch for the first BATCHES - 8, enough to
-    fill the table, then layouts seen before; with a plain value that repeats every 3."""
-    width = 1 + (index if index < BATCHES - 8 else index % 5)
+    """Batch ``index``: layouts that repeat from the first batches on (numbered early), then a
+    new layout (width) per batch, enough to fill the table, then layouts seen before; with a
+    plain value that repeats every 3."""
+    width = 1 + (index % 2 if index < 8 else index if index < BATCHES - 8 else index % 5)
     g = torch.Generator().manual_seed(index)
     return torch.rand(2, width, generator=g), {"i": torch.tensor([index]), "s": f"b{index % 3}"}
 
@@ -211,7 +233,10 @@ def test_layouts_past_the_table_travel_inline_and_a_late_joiner_gets_the_numbers
     with serving(producer, epochs=2) as (thread, errors):
         go_first.set()
         wait_until(lambda: producer.status()["next_seq"] >= BATCHES // 2, 60, "half an epoch published")
-        go_late.set()  # joins mid-stream: the numbers so far come in its WELCOME
+        assert (
+            producer._shared.layouts.entries
+        )  # numbered already: the late joiner learns them in its WELCOME
+        go_late.set()  # joins mid-stream, and replays the epoch from its start
         thread.join(120)
         assert not errors, errors
     reports = {r["late"]: r for r in (results.get(timeout=60) for _ in procs)}
@@ -224,3 +249,11 @@ def test_layouts_past_the_table_travel_inline_and_a_late_joiner_gets_the_numbers
     late = reports[True]["seen"]
     assert len(late) >= BATCHES and late == whole[-len(late) :]  # from a replayed epoch's start
     assert len(producer._shared.layouts.entries) == layout_table.MAX_LAYOUTS  # the table did fill
+
+
+def test_recipes_refuse_more_leaves_in_all_than_one_batch_may_have():
+    wide = layout.plan([torch.zeros(1)] * 40_000).encode()
+    recipes = Recipes([[0, wide]])
+    recipes.define(0, wide)  # the same number again: counted once
+    with pytest.raises(ProtocolError, match="leaves in all"):
+        recipes.define(1, wide)

@@ -183,3 +183,13 @@ def test_a_replay_budget_that_does_not_fit_is_cut_and_the_run_goes_on(tmp_path, 
     assert "producer_error" not in report, report
     assert report["consumer"] == {"sums": [i * (16 << 20) for i in range(6)]}, report
     assert "replay buffer cut from 6 to 1 batches: /dev/shm has 64 MiB free" in out, out
+
+
+def test_a_fingerprint_taken_after_the_write_is_the_one_the_write_takes():
+    """A batch written without one (no consumer checked) gets it at publish if one joined."""
+    with ShmStore() as store:
+        plan = layout.plan((torch.rand(8, 4), torch.arange(3)))
+        store.install(store.prepare(0, plan.nbytes))
+        taken = store.write(0, plan).wait()
+        assert taken is not None and store.write(0, plan, False).wait() is None
+        assert store.fingerprint(0, plan.nbytes) == taken

@@ -28,6 +28,7 @@ import torch
 
 from tensorsocket import layout
 from tensorsocket.errors import ProtocolError
+from tensorsocket.layout_table import Recipe
 from tensorsocket.transport import Lease, Reader, Store, open_reader, open_store, sweep_stale
 from tests.support import SPAWN, same, shm_segments, wait_until
 
@@ -91,9 +92,9 @@ def put(store: Store, place: int, batch: Any) -> tuple[list[Any] | None, list[An
 
 def read(reader: Reader, place: int, encoded: list[Any]) -> tuple[Any, Lease]:
     """The user's batch for a BATCH message, as the consumer builds it: (views, lease)."""
-    tree, leaves = layout.check(encoded, reader.size(place))
-    lease = reader.lease(place, encoded[2])
-    return reader.deliver(layout.build(tree, leaves, lease.region), copy=False), lease
+    recipe = Recipe(encoded)
+    lease = reader.lease(place, recipe.nbytes)
+    return reader.deliver(recipe.build(lease.region), copy=False), lease
 
 
 def _serve_store(kind: str, conn: Any) -> None:

@@ -205,7 +205,7 @@ class ConsumerIo:
             recipes = Recipes(welcome["layouts"])
         except Exception as exc:
             _send_quietly(self.socket, protocol.encode(Kind.BYE))
-            self.shared.fail(ProducerLost(f"{why}; its successor's memory cannot be read: {exc}"))
+            self.shared.fail(ProducerLost(f"{why}; its successor's memory or layouts cannot be read: {exc}"))
             return False
         old, self.reader = self.reader, None  # type: ignore[assignment]
         old.close()  # the old producer's memory stays mapped under the batches still held

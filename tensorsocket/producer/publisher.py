@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .. import layout, protocol, sharding
+from .. import layout, layout_table, protocol, sharding
 from ..errors import Closed, IoThreadDied
 from ..protocol import Kind
 from .io_loop import TICK, IoLoop
@@ -91,6 +91,8 @@ class Publisher:
             return place is not None
 
         check_box: list[bool] = []
+        encoded = plan.encode()
+        key = layout_table.key(encoded)  # (outside the lock: a large layout packs slowly)
 
         t_place = time.perf_counter()
         self.wait(reserved, None, "a free place")
@@ -115,7 +117,9 @@ class Publisher:
         with shared.changed:
             if shared.flow.ended:  # closed while we wrote
                 raise Closed(f"producer on {endpoint} was closed")
-            ref, new = shared.layouts.number(plan.encode())
+            if fingerprint is None and shared.fingerprints_wanted():  # one joined while we wrote
+                fingerprint = shared.store.fingerprint(place, plan.nbytes)
+            ref, new = shared.layouts.number(encoded, key)
             if new is not None:  # announced before any BATCH names it (a later joiner: in WELCOME)
                 shared.broadcast(protocol.encode(Kind.LAYOUT, number=new[0], layout=new[1]))
             frame = protocol.encode(

@@ -115,6 +115,12 @@ class Store(abc.ABC):
     def close(self) -> None:
         """Free every arena; idempotent."""
 
+    def fingerprint(self, place: int, nbytes: int) -> int | None:
+        """The fingerprint of a written place, taken now (for a batch written without one
+        when a consumer that checks them joined meanwhile); None where ``write`` always
+        takes one."""
+        return None
+
     def room(self, nbytes: int) -> Room | None:
         """How many arenas for ``nbytes`` fit in the memory still free, or None where the
         transport knows no such limit."""

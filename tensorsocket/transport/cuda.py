@@ -84,7 +84,7 @@ class _Write(Receipt):
         self._event.synchronize()
         with store._mirror_lock:
             if store._mirror is not None:
-                store._mirror.write(self._place, self._plan)
+                store._mirror.write(self._place, self._plan, False)  # (the fingerprint is taken here)
         self._plan = None  # type: ignore[assignment]
         return _fingerprint(store._dev, region, region.shape[0], store._stream)
 

@@ -231,6 +231,9 @@ class ShmStore(Store):
         layout.write(plan, arena.tensor)
         return Receipt(layout.fingerprint(arena.array[: plan.nbytes]) if fingerprint else None)
 
+    def fingerprint(self, place: int, nbytes: int) -> int | None:
+        return layout.fingerprint(self._arenas[place].array[:nbytes])
+
     def close(self) -> None:
         """Unlink every segment; idempotent. A write still running keeps its mapping (and
         finishes harmlessly) until its views are gone."""
