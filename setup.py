@@ -24,6 +24,9 @@ setup(
         "gpu": ["cupy-cuda12x>=13", "nvidia-ml-py>=12"],
         "bench": ["matplotlib>=3.7"],
         "stateful": ["torchdata>=0.10"],  # StatefulDataLoader: restarts resume from its own state
+        # tensorsocket.ray: per-node producers on a Ray cluster, trials placed by Ray Tune
+        "ray": ["ray[tune]>=2.40"],
+        "optuna": ["optuna>=3.4"],  # consumer/optuna_study.py (the library itself needs nothing of it)
         "dev": [
             "pytest>=8",
             "pytest-timeout>=2.2",
@@ -32,6 +35,8 @@ setup(
             "psutil>=5.9",
             "lightning>=2.2",  # a real client in the tests (tests/test_clients.py)
             "torchdata>=0.10",  # StatefulDataLoader under producer restarts (tests/test_restart.py)
+            "ray[tune]==2.40.0",  # tests/test_ray.py (a 2-node local cluster); the version they ran on
+            "optuna>=3.4",  # tests/test_optuna.py
         ],
     },
 )
