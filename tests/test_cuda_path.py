@@ -35,6 +35,7 @@ from tests.support import (
     serving,
     shm_segments,
     start_consumers,
+    wait_until,
 )
 
 REAL = os.environ.get("TENSORSOCKET_GPU_REAL") == "1"
@@ -439,7 +440,8 @@ def _consumer_in_new_pid_namespace(
     name: str, epochs: int, batches: int, go: str | None = None, **options: Any
 ) -> subprocess.Popen:
     """``run_consumer`` in a new PID namespace (as in another container), reporting on stdout;
-    with ``go``, it joins only once that file exists (imports done, so it joins at once)."""
+    with ``go``, it makes ``go + '.ready'`` once its imports are done (wait for it: under load
+    they take seconds), then joins as soon as ``go`` exists."""
     script = (
         "import json, os, time\n"
         "import tensorsocket\n"
@@ -449,6 +451,7 @@ def _consumer_in_new_pid_namespace(
         "        print('REPORT ' + json.dumps(report), flush=True)\n"
         "class Go:\n"
         "    def wait(self, timeout):\n"
+        f"        open({go!r} + '.ready', 'w').close()\n"
         "        end = time.monotonic() + timeout\n"
         f"        while not os.path.exists({go!r}) and time.monotonic() < end:\n"
         "            time.sleep(0.005)\n"
@@ -493,6 +496,7 @@ def test_a_late_joiner_in_another_pid_namespace_replays_batches_written_before_t
     other = _consumer_in_new_pid_namespace(
         name, EPOCHS, batches, go=go, device=OTHER_NS_DEVICE, late_join="replay"
     )
+    wait_until(lambda: os.path.exists(go + ".ready"), 120, "the other namespace's consumer to import")
     local, results = start_consumers(name, 1, EPOCHS, batches, options={"device": "cuda:0"}, step=0.3)
     producer = Producer(
         NestedLoader(batches), name=name, device="cuda:0", slots=3, replay=64 << 20, min_consumers=1
