@@ -31,7 +31,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from consumer.train import make_model  # noqa: E402
+from consumer.train import make_model, train_step  # noqa: E402
 from producer.imagefolder import make_dataset, make_loader  # noqa: E402
 from tensorsocket import Consumer  # noqa: E402  [tensorsocket 1/2] the import
 
@@ -55,12 +55,9 @@ def objective(trial: Any, args: argparse.Namespace) -> float:
     try:
         for epoch in range(args.epochs):
             for batch, (images, labels) in enumerate(loader):
-                optimizer.zero_grad(set_to_none=True)
-                loss = loss_fn(model(images), labels)
-                loss.backward()
-                optimizer.step()
-                loss_sum, seen = loss_sum + loss.item() * len(labels), seen + len(labels)
-                del images, labels, loss  # a shared batch's slot is freed once nothing holds it
+                loss_sum += train_step(model, optimizer, loss_fn, images, labels)
+                seen += len(labels)
+                del images, labels  # a shared batch's slot is freed once nothing holds it
                 step += 1
                 if step % args.report_every == 0:
                     last, loss_sum, seen = loss_sum / seen, 0.0, 0

@@ -57,6 +57,22 @@ def make_model(classes: int = 10) -> nn.Module:
     )
 
 
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: nn.Module,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+) -> float:
+    """One optimiser step on a batch; the batch's loss summed over its samples (the examples
+    next to this one train the same way)."""
+    optimizer.zero_grad(set_to_none=True)
+    loss = loss_fn(model(images), labels)
+    loss.backward()
+    optimizer.step()
+    return loss.item() * len(labels)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="Train a small CNN on a folder of JPEGs, with its own DataLoader or (--shared) "
@@ -141,11 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     counted += len(labels)
                 images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-                optimizer.zero_grad(set_to_none=True)
-                loss = loss_fn(model(images), labels)
-                loss.backward()
-                optimizer.step()
-                loss_sum += loss.item() * len(labels)
+                loss_sum += train_step(model, optimizer, loss_fn, images, labels)
                 seen += len(labels)
                 batches += 1
                 if batches % args.log_every == 0:
@@ -154,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"epoch {epoch} batch {batches}: loss {loss_sum / seen:.4f}, {rate:.1f} samples/s",
                         flush=True,
                     )
-                del images, labels, loss  # a shared batch's slot is freed once nothing holds it
+                del images, labels  # a shared batch's slot is freed once nothing holds it
                 if args.max_batches is not None and batches >= args.max_batches:
                     break
             if seen == 0:  # the producer served fewer epochs than asked for

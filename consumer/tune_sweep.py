@@ -28,7 +28,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from consumer.train import make_model  # noqa: E402
+from consumer.train import make_model, train_step  # noqa: E402
 from producer.imagefolder import make_dataset, make_loader  # noqa: E402
 from tensorsocket.ray import consumer as shared_loader  # noqa: E402  [tensorsocket 1/2] the import
 
@@ -59,12 +59,9 @@ def trial(config: dict[str, Any]) -> None:
             loss_sum, seen = 0.0, 0
             for batch, (images, labels) in enumerate(loader):
                 start = start or time.perf_counter()
-                optimizer.zero_grad(set_to_none=True)
-                loss = loss_fn(model(images), labels)
-                loss.backward()
-                optimizer.step()
-                loss_sum, seen = loss_sum + loss.item() * len(labels), seen + len(labels)
-                del images, labels, loss  # a shared batch's slot is freed once nothing holds it
+                loss_sum += train_step(model, optimizer, loss_fn, images, labels)
+                seen += len(labels)
+                del images, labels  # a shared batch's slot is freed once nothing holds it
                 if config["max_batches"] and batch + 1 >= config["max_batches"]:
                     break
             samples += seen
