@@ -21,7 +21,9 @@ setup(
     ],
     entry_points={"console_scripts": ["tensorsocket = tensorsocket.cli:main"]},
     extras_require={
-        "gpu": ["cupy-cuda12x>=13", "nvidia-ml-py>=12"],
+        # torchvision: the GPU JPEG pipeline's decoder (producer/imagefolder_gpu.py); unpinned, as
+        # it must be the build made for your torch (scripts/setup.sh picks it)
+        "gpu": ["cupy-cuda12x>=13", "nvidia-ml-py>=12", "torchvision"],
         "bench": ["matplotlib>=3.7"],
         "stateful": ["torchdata>=0.10"],  # StatefulDataLoader: restarts resume from its own state
         # tensorsocket.ray: per-node producers on a Ray cluster, trials placed by Ray Tune
