@@ -21,9 +21,9 @@ setup(
     ],
     entry_points={"console_scripts": ["tensorsocket = tensorsocket.cli:main"]},
     extras_require={
-        # torchvision: the GPU JPEG pipeline's decoder (producer/imagefolder_gpu.py); unpinned, as
-        # it must be the build made for your torch (scripts/setup.sh picks it)
-        "gpu": ["cupy-cuda12x>=13", "nvidia-ml-py>=12", "torchvision"],
+        # (producer/imagefolder_gpu.py also needs torchvision: the build made for your torch, which
+        # an unpinned requirement here could replace with another torch, so it is not listed)
+        "gpu": ["cupy-cuda12x>=13", "nvidia-ml-py>=12"],
         "bench": ["matplotlib>=3.7"],
         "stateful": ["torchdata>=0.10"],  # StatefulDataLoader: restarts resume from its own state
         # tensorsocket.ray: per-node producers on a Ray cluster, trials placed by Ray Tune

@@ -210,7 +210,7 @@ def _check_device(device: str, decoder: str) -> torch.device:
         problems.append(f"device {device!r} but this process sees {torch.cuda.device_count()} GPU(s)")
     why_not = torchvision_problem() if decoder == "torchvision" else None
     if why_not:
-        problems.append(f"{why_not}: install the torchvision matching torch (bash scripts/setup.sh)")
+        problems.append(f"{why_not}: install the torchvision built for this torch (torch 2.X: torchvision 0.(X+15))")
     if problems:
         raise GpuPipelineUnavailable(
             f"the GPU JPEG pipeline cannot run with device={device!r}, decoder={decoder!r}: "
