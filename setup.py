@@ -21,6 +21,8 @@ setup(
     ],
     entry_points={"console_scripts": ["tensorsocket = tensorsocket.cli:main"]},
     extras_require={
+        # (producer/imagefolder_gpu.py also needs torchvision: the build made for your torch, which
+        # an unpinned requirement here could replace with another torch, so it is not listed)
         "gpu": ["cupy-cuda12x>=13", "nvidia-ml-py>=12"],
         "bench": ["matplotlib>=3.7"],
         "stateful": ["torchdata>=0.10"],  # StatefulDataLoader: restarts resume from its own state

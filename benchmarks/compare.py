@@ -195,7 +195,9 @@ def _memory_kib(pid: int) -> tuple[int, int]:
 
 
 class Watcher(threading.Thread):
-    """Samples the total memory of this process's descendants (and the GPU's) until stopped."""
+    """Samples the total memory of this process's descendants until stopped, and with NVML the
+    GPU's: memory in use, each descendant's own (by pid), and utilisation (percent of the
+    sample period a kernel ran)."""
 
     def __init__(self, interval: float = 0.5, memory_cap_kib: int | None = None) -> None:
         super().__init__(daemon=True)
@@ -205,6 +207,8 @@ class Watcher(threading.Thread):
         self.over_cap = False
         self.gpu_base_mib: float | None = None
         self.peak_gpu_mib: float | None = None
+        self.peak_gpu_pid_mib: dict[int, float] = {}
+        self.gpu_util: list[int] = []
         self._halt = threading.Event()
         self._gpu = _nvml_handle()
         if self._gpu is not None:
@@ -215,11 +219,23 @@ class Watcher(threading.Thread):
 
         return pynvml.nvmlDeviceGetMemoryInfo(self._gpu).used / 2**20
 
+    def _sample_gpu(self, pids: list[int]) -> None:
+        import pynvml
+
+        self.peak_gpu_mib = max(self.peak_gpu_mib or 0.0, self._gpu_used())
+        self.gpu_util.append(pynvml.nvmlDeviceGetUtilizationRates(self._gpu).gpu)
+        ours = set(pids)
+        for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(self._gpu):
+            if proc.pid in ours and proc.usedGpuMemory is not None:
+                mib = round(proc.usedGpuMemory / 2**20, 1)
+                self.peak_gpu_pid_mib[proc.pid] = max(self.peak_gpu_pid_mib.get(proc.pid, 0.0), mib)
+
     def run(self) -> None:
         me = os.getpid()
         while not self._halt.wait(self.interval):
             rss = pss = 0
-            for pid in _children_of(me):
+            pids = _children_of(me)
+            for pid in pids:
                 r, p = _memory_kib(pid)
                 rss, pss = rss + r, pss + p
             self.peak_rss_kib = max(self.peak_rss_kib, rss)
@@ -227,7 +243,7 @@ class Watcher(threading.Thread):
             if self.memory_cap_kib and pss > self.memory_cap_kib:
                 self.over_cap = True
             if self._gpu is not None:
-                self.peak_gpu_mib = max(self.peak_gpu_mib or 0.0, self._gpu_used())
+                self._sample_gpu(pids)
 
     def stop(self) -> None:
         self._halt.set()
@@ -314,6 +330,8 @@ def run_once(
     common = ["--data", cfg["data"], "--workers", str(workers), "--epochs", str(cfg["epochs"])]
     step_ms = 0 if system == LOADER_ALONE else cfg["step_ms"]
     common += ["--step-ms", str(step_ms), "--trainers", str(trainers)]
+    if cfg.get("pipeline", "cpu") == "gpu":  # producer.imagefolder_gpu: decode and augment on a GPU
+        common += ["--pipeline", "gpu", "--decode-device", cfg["decode_device"], "--decoder", cfg["decoder"]]
     if cfg["model"] and system != LOADER_ALONE:
         common += ["--model", cfg["model"]]
     python: Path | str = sys.executable
@@ -435,6 +453,8 @@ def _judge(
         )
     for r in trainer_reports:
         r.pop("fingerprints", None)  # kept out of the JSON: only their agreement matters
+    for r in reports:
+        r["peak_gpu_mib"] = watcher.peak_gpu_pid_mib.get(r.get("pid", -1))
     return {
         "system": system,
         "trainers": trainers,
@@ -454,6 +474,7 @@ def _judge(
             if watcher.peak_gpu_mib is None
             else round(watcher.peak_gpu_mib - (watcher.gpu_base_mib or 0), 1)
         ),
+        "gpu_util_mean_pct": round(statistics.mean(watcher.gpu_util), 1) if watcher.gpu_util else None,
         "processes": reports,
     }
 
@@ -478,12 +499,18 @@ def run(
     repeat: int = 1,
     progress: Any = None,
     producer_workers: int | None = None,
+    variants: dict[str, tuple[str, dict[str, Any]]] | None = None,
 ) -> dict[str, Any]:
     """Run every system at every count, ``repeat`` times (round-robin); return every figure and
     the environment as a dict. ``progress``, if given, is called with the result so far (marked
     ``"partial": true``) after every run, so a benchmark stopped from outside leaves what it did.
     ``producer_workers``: the one shared loader's workers (default: ``cpus`` if given, else
-    ``workers``)."""
+    ``workers``). ``variants``: more systems for other benchmarks to name in ``systems``, each
+    ``label: (one of SYSTEMS, configuration overrides)``, e.g. ``{"shared-gpu-pipeline":
+    ("tensorsocket-gpu", {"pipeline": "gpu", "decode_device": "cuda", "decoder": "torchvision"})}``;
+    their runs carry the label as ``system`` (the summary here lists SYSTEMS only)."""
+    variants = variants or {}
+    bases = {variants.get(s, (s, {}))[0] for s in systems}
     from producer.imagefolder import make_dataset
 
     try:  # descendants whose parent was killed come to us, so their CPU time is counted
@@ -495,12 +522,12 @@ def run(
     data = ROOT / "data" / f"jpeg-{images}"
     root = str(make_dataset(data, count=images))
     upstream, upstream_note = None, "not asked for"
-    if UPSTREAM in systems:
+    if UPSTREAM in bases:
         upstream, upstream_note = upstream_python(
             upstream_venv or ROOT / "data" / "upstream-tensorsocket-0.0.5", upstream_wheels, log
         )
         log(f"PyPI tensorsocket 0.0.5: {upstream_note}")
-    gpu_missing = gpu_unavailable() if GPU_SYSTEM in systems else None
+    gpu_missing = gpu_unavailable() if GPU_SYSTEM in bases else None
     if gpu_missing:
         log(f"{GPU_SYSTEM}: not run: {gpu_missing}")
     avail_kib = _available_kib()
@@ -537,6 +564,7 @@ def run(
                 "repeat": repeat,
                 "gpu_path": gpu_missing or "run",
                 "fake_cuda": os.environ.get(FAKE_CUDA) == "1",
+                **({"variants": variants} if variants else {}),
             },
             **({"partial": True} if partial else {}),
             "summary": summarise(runs),
@@ -547,17 +575,19 @@ def run(
     plan = [(LOADER_ALONE, 1)] + [(system, n) for n in counts for system in references + systems]
     for rep in range(repeat):
         for system, n in plan:
-            if system == UPSTREAM and upstream is None:
+            base, overrides = variants.get(system, (system, {}))
+            if base == UPSTREAM and upstream is None:
                 runs.append(_not_run(system, n, upstream_note) | _rep(rep, repeat))
                 continue
-            if system == GPU_SYSTEM and gpu_missing:
+            if base == GPU_SYSTEM and gpu_missing:
                 runs.append(_not_run(system, n, gpu_missing) | _rep(rep, repeat))
                 continue
             what = f"{n} trainer(s)" if system != LOADER_ALONE else "the pipeline's own rate"
             what += ", the model alone on one synthetic batch" if system == MODEL_ALONE else ""
             log(f"{system}: {what}{f' (run {rep + 1} of {repeat})' if repeat > 1 else ''} ...")
             folder = f"{system}-{n}" + (f"-run{rep + 1}" if repeat > 1 else "")
-            result = run_once(system, n, cfg, upstream, ROOT / "data" / "compare-runs" / stamp / folder)
+            rundir = ROOT / "data" / "compare-runs" / stamp / folder
+            result = run_once(base, n, cfg | overrides, upstream, rundir) | {"system": system}
             result |= _rep(rep, repeat)
             runs.append(result)
             outcome = "exact" if result["exact"] else "; ".join(result["problems"]) or "not exact"

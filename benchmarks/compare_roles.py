@@ -34,10 +34,16 @@ BATCH_SIZE = 32
 UPSTREAM_VERSION = "0.0.5"
 
 
-def _import_pipeline() -> Any:
-    """``producer.imagefolder`` from this repository, found after every installed package."""
+def _import_pipeline(pipeline: str = "cpu") -> Any:
+    """``producer.imagefolder`` (``pipeline="cpu"``: Pillow decode and augment in the loader's
+    workers) or ``producer.imagefolder_gpu`` (``"gpu"``: workers read files, decode and augment
+    on the GPU) from this repository, found after every installed package."""
     if str(ROOT) not in sys.path:
         sys.path.append(str(ROOT))
+    if pipeline == "gpu":
+        from producer import imagefolder_gpu
+
+        return imagefolder_gpu
     from producer import imagefolder
 
     return imagefolder
@@ -148,8 +154,9 @@ def _loader(args: argparse.Namespace, seed: int) -> Any:
     import torch
 
     torch.set_num_threads(1)
-    return _import_pipeline().make_loader(
-        args.data, batch_size=BATCH_SIZE, num_workers=args.workers, seed=seed
+    gpu = {"device": args.decode_device, "decoder": args.decoder} if args.pipeline == "gpu" else {}
+    return _import_pipeline(args.pipeline).make_loader(
+        args.data, batch_size=BATCH_SIZE, num_workers=args.workers, seed=seed, **gpu
     )
 
 
@@ -159,7 +166,9 @@ def _loader(args: argparse.Namespace, seed: int) -> Any:
 def role_loader_trainer(args: argparse.Namespace) -> None:
     """A trainer with its own DataLoader: the status quo."""
     loader = _loader(args, seed=args.rank)
-    report = Report(args.report, system="independent", rank=args.rank, workers=args.workers)
+    report = Report(
+        args.report, system="independent", rank=args.rank, workers=args.workers, pipeline=args.pipeline
+    )
     train(loader, args.epochs, args.step_ms / 1000, report, args.model)
 
 
@@ -199,7 +208,7 @@ def role_ts_producer(args: argparse.Namespace) -> None:
     loader = _loader(args, seed=0)
     report = Report(
         args.report, system=_ts_system(args.device), version=tensorsocket.__version__, producer=True,
-        device=args.device, workers=args.workers,
+        device=args.device, workers=args.workers, pipeline=args.pipeline,
     )  # fmt: skip
     producer = tensorsocket.Producer(
         loader, name=args.name, device=args.device, slots=8, min_consumers=args.trainers, replay=0
@@ -310,6 +319,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--device", default="cpu", help="tensorsocket's device for producer and trainers (cpu, cuda:0)"
     )
+    parser.add_argument(
+        "--pipeline",
+        choices=("cpu", "gpu"),
+        default="cpu",
+        help="cpu: producer.imagefolder (Pillow); gpu: producer.imagefolder_gpu (decode and augment on "
+        "--decode-device)",
+    )
+    parser.add_argument("--decode-device", default="cuda", help="--pipeline gpu: where it decodes")
+    parser.add_argument("--decoder", default="torchvision", help="--pipeline gpu: torchvision or pillow")
     parser.add_argument("--port", type=int, help="first of the four ports tensorsocket 0.0.5 uses")
     parser.add_argument(
         "--producer-batch-size", type=int, default=8, help="tensorsocket 0.0.5's (its default: 8)"

@@ -16,14 +16,16 @@ Run ``python -m producer.imagefolder`` to print this machine's decode + augment 
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
 import random
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -317,15 +319,22 @@ def _rate(loader: DataLoader[tuple[torch.Tensor, int]], seconds: float) -> tuple
     return first, samples / (time.perf_counter() - start), samples
 
 
-def _main() -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser(description="Measure the JPEG decode + augment pipeline.")
+def measure(
+    make: Callable[[argparse.Namespace, Path, int], Any],
+    description: str,
+    workers: Sequence[int] = (0, 2),
+    add_options: Callable[[argparse.ArgumentParser], None] | None = None,
+) -> None:
+    """A pipeline module's ``python -m`` entry: make a dataset, then print the rate of the
+    loader ``make(args, root, num_workers)`` returns, for each ``--workers`` value."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--root", help="dataset folder (default: a temporary one)")
     parser.add_argument("--count", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=10.0, help="total measuring time")
-    parser.add_argument("--workers", type=int, nargs="+", default=[0, 2])
+    parser.add_argument("--workers", type=int, nargs="+", default=list(workers))
+    if add_options is not None:
+        add_options(parser)
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="ts-imagefolder-") as tmp:
@@ -335,14 +344,21 @@ def _main() -> None:
         print(f"dataset: {args.count} images in {root} ready in {time.perf_counter() - start:.2f} s")
         # As in DataLoader workers; keeps the num_workers=0 figure a per-core one.
         torch.set_num_threads(1)
-        for workers in args.workers:
-            loader = make_loader(root, batch_size=args.batch_size, num_workers=workers)
+        for num_workers in args.workers:
+            loader = make(args, root, num_workers)
             first, rate, samples = _rate(loader, args.seconds / len(args.workers))
             print(
-                f"num_workers={workers}: {rate:7.1f} samples/s "
+                f"num_workers={num_workers}: {rate:7.1f} samples/s "
                 f"({samples} samples; first batch after {first:.2f} s)"
             )
             del loader
+
+
+def _main() -> None:
+    measure(
+        lambda args, root, workers: make_loader(root, batch_size=args.batch_size, num_workers=workers),
+        "Measure the JPEG decode + augment pipeline.",
+    )
 
 
 if __name__ == "__main__":

@@ -18,14 +18,26 @@
 #                 on 4 CPU cores, 1024 images, 1 epoch, 3 runs each of          budget; 45 s per run at
 #                 independent, tensorsocket, tensorsocket-gpu, PyPI 0.0.5      most, partial JSON kept)
 #                 (+ the loader alone); JSON and plot into $OUT
+#   decode-tests  pytest -m "not gpu" tests/test_imagefolder_gpu.py: the GPU    ~40 s (limit 90 s)
+#                 JPEG pipeline with torchvision's CPU decoder (torchvision does
+#                 not import on the CPU VM), on the CUDA stand-in; its nvJPEG
+#                 tests are gpu-marked and run in gpu-tests
+#   decode-rate   python3 -m producer.imagefolder_gpu: the GPU JPEG pipeline's   ~25 s (limit 60 s)
+#                 samples/s (nvJPEG + augment), 2 and 4 file-reading workers
+#   gpu-decode    python3 -m benchmarks.gpu_decode: 4 ResNet-18 trainers on 4  ~180 s (limit 300 s; 9 runs
+#                 cores: 4 private GPU decode pipelines vs one shared (GPU path) of 20 s or less, + the
+#                 vs the shared CPU pipeline, 3 runs each; JSON into $OUT        references)
+#
+# compare takes what is left of the budget, so the last three steps need a call of their own:
+#   GPU_SH_STEPS="decode-tests decode-rate gpu-decode" bash scripts/gpu.sh
 #
 # The whole script keeps to $GPU_SH_BUDGET seconds (default 540: the device tool allows 600 per
 # command); a step's limit is cut to what is left. $GPU_SH_STEPS (default: all of them) names
 # the steps to run, space-separated, e.g. "gpu-tests cuda-tests gpu-path" in one call and
-# "compare" in the next when one call cannot hold them all. $OUT (default ./gpu-results) gets at most 7
-# files: logs.tar.gz (every step's log, the JUnit XML of both test runs, nvidia-smi's answer),
-# steps.txt (each step's exit status and seconds), gpu_path-*.json, cuda_ipc-*.json, and the
-# compare benchmark's <gpu>-<date>.json and .png.
+# "compare" in the next when one call cannot hold them all. $OUT (default ./gpu-results) gets at most 8
+# files: logs.tar.gz (every step's log, the JUnit XML of the test runs, nvidia-smi's answer),
+# steps.txt (each step's exit status and seconds), gpu_path-*.json, cuda_ipc-*.json, the
+# compare benchmark's <gpu>-<date>.json and .png, and gpu_decode-<gpu>-<date>.json.
 #
 # Wheels: .whl/*.whl are installed into /tmp/site (pyzmq; see the device notes); .whl/upstream/
 # holds tensorsocket 0.0.5 and tornado, installed only into 0.0.5's own environment by compare.
@@ -100,6 +112,11 @@ if ls .whl/upstream/*.whl >/dev/null 2>&1; then upstream=(--upstream-wheels .whl
 step compare $((BUDGET - SECONDS - 5)) python3 -m benchmarks.compare --trainers 4 --model resnet18 --cpus 4 \
     --repeat 3 --images 1024 --epochs 1 --timeout 45 \
     --systems independent,tensorsocket,tensorsocket-gpu,tensorsocket-0.0.5 "${upstream[@]}" --out "$OUT"
+
+step decode-tests 90 python3 -m pytest -v -p no:cacheprovider -m "not gpu" tests/test_imagefolder_gpu.py \
+    --junitxml="$LOGS/decode-tests.xml"
+step decode-rate 60 python3 -m producer.imagefolder_gpu --seconds 16 --workers 2 4
+step gpu-decode 300 python3 -m benchmarks.gpu_decode --out "$OUT"
 
 cp "$LOGS/steps.txt" "$OUT/steps.txt"
 tar -czf "$OUT/logs.tar.gz" -C "$LOGS" --exclude .start .
