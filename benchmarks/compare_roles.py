@@ -82,9 +82,10 @@ def model_step(name: str) -> Any:
 
     try:
         import torchvision
-    except ImportError:
+    except Exception as exc:  # a build for another torch fails with RuntimeError, not ImportError
         raise SystemExit(
-            f"--model {name} needs torchvision (the build matching your torch; it is not a dependency)"
+            f"--model {name} needs torchvision, the build matching your torch (it is not a dependency): "
+            f"{type(exc).__name__}: {exc}"
         ) from None
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = getattr(torchvision.models, name)(num_classes=1000).to(device).train()

@@ -331,6 +331,7 @@ def main() -> int:
     result = {
         "benchmark": "ray_sweep",
         "date": datetime.now(timezone.utc).isoformat(),
+        "command": ["python3", "-m", "benchmarks.ray_sweep", *sys.argv[1:]],
         "load_average_before_after": [load_before, list(os.getloadavg())],
         "machine": machine() | {"ray": __import__("ray").__version__},
         "config": {

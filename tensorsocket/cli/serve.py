@@ -98,7 +98,11 @@ def add_parser(sub: Any) -> None:
         help="with --stragglers skip (implied): batches a consumer may lag before it skips; "
         "below --slots (default: half of --slots)",
     )
-    p.add_argument("--device", default="cpu", help="where batches are shared (this version: cpu)")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="where batches are shared: cpu (host shared memory) or cuda / cuda:N (GPU memory, CUDA IPC)",
+    )
     p.add_argument(
         "--linger",
         type=seconds,
