@@ -3,6 +3,7 @@ that keeps a second producer from silently taking over a name."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import re
@@ -15,6 +16,7 @@ ENV = "TENSORSOCKET_ENDPOINT"
 DEFAULT_NAME = "default"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _IPC_PATH_MAX = 107  # sun_path is 108 bytes with the terminating NUL
+_LOCK_TRIES = 5  # a lock file removed between our open and our flock: open it again
 
 
 def runtime_dir() -> Path:
@@ -94,22 +96,51 @@ def lock(endpoint: str) -> IO[str] | None:
     """Take the single-producer lock of an ipc endpoint; None for tcp (bind itself refuses).
 
     The lock is an flock on ``<path>.lock``, released by the kernel when the holder dies,
-    so a crashed producer never blocks the name.
+    so a crashed producer never blocks the name. Its holder removes the file when it is done
+    (:func:`unlock`), so the lock taken must be on the file still at the path: a file opened
+    just before its holder removed it is locked in vain, and is opened again.
     """
     if not endpoint.startswith("ipc://"):
         return None
     path = endpoint[6:] + ".lock"
-    f = open(path, "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "unknown"
+    for _ in range(_LOCK_TRIES):
+        f = open(path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            f.close()
+            raise RuntimeError(
+                f"another producer (pid {holder}) is already serving {endpoint}; stop it or use another name"
+            ) from None
+        try:
+            current = os.stat(path).st_ino == os.fstat(f.fileno()).st_ino
+        except FileNotFoundError:
+            current = False
+        if current:
+            f.truncate(0)
+            f.write(str(os.getpid()))
+            f.flush()
+            return f
         f.close()
-        raise RuntimeError(
-            f"another producer (pid {holder}) is already serving {endpoint}; stop it or use another name"
-        ) from None
-    f.truncate(0)
-    f.write(str(os.getpid()))
-    f.flush()
-    return f
+    raise RuntimeError(
+        f"the lock file of {endpoint} kept being removed under us: is a clean-up loop running?"
+    )
+
+
+def unlock(endpoint: str, held: IO[str] | None) -> None:
+    """Give up an ipc endpoint whose lock ``held`` is: remove its socket file (a stale one if
+    the bind's own clean-up did not) and its lock file, then release the lock. So a
+    runtime directory holds files only for names served now (and for crashed producers', which
+    the next producer of the name removes when it is done). A state file stays: it is what a
+    restarted producer resumes from."""
+    if held is None:
+        return
+    path = endpoint[6:]
+    try:
+        for leftover in (path, path + ".lock"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(leftover)
+    finally:
+        held.close()

@@ -17,6 +17,7 @@ import pytest
 import zmq
 
 from tensorsocket import Consumer, Evicted, Producer, ProducerLost
+from tensorsocket.endpoint import lock, resolve, runtime_dir, unlock
 from tests.support import (
     SPAWN,
     NestedLoader,
@@ -277,6 +278,63 @@ def test_second_producer_on_a_served_name_is_refused(name):
             assert [same(b, expected_batch(i, batches)) for i, b in enumerate(consumer)] == [True] * batches
         server.join(timeout=30)
         assert not server.is_alive() and errors == []
+
+
+def test_a_closed_producer_leaves_no_files_for_its_name(name):
+    """Its socket and lock files go with it (a sweep of generated names does not fill the
+    runtime directory); a crashed one's are taken over and removed by the name's next producer."""
+    socket_path = runtime_dir() / f"{name}.sock"
+    lock_path = runtime_dir() / f"{name}.sock.lock"
+    producer = Producer(NestedLoader(2), name=name)
+    assert socket_path.exists() and lock_path.exists()
+    producer.close()
+    assert not socket_path.exists() and not lock_path.exists()
+    lock_path.write_text("4194304")  # what a SIGKILLed producer leaves: a lock file nobody holds
+    socket_path.touch()
+    with Producer(NestedLoader(2), name=name) as again:
+        assert lock_path.read_text() == str(os.getpid())
+        with serving(again, 1) as (server, errors):
+            with Consumer(name=name, timeout=10) as consumer:
+                assert [same(b, expected_batch(i, 2)) for i, b in enumerate(consumer)] == [True, True]
+            server.join(timeout=30)
+            assert errors == []
+    assert not socket_path.exists() and not lock_path.exists()
+
+
+def _take_and_give_back(endpoint: str, rounds: int, inside: str, out: Any) -> None:
+    """Lock the endpoint ``rounds`` times; while holding it, be the only one in ``inside``."""
+    taken = clashes = 0
+    while taken < rounds:
+        try:
+            held = lock(endpoint)
+        except RuntimeError:
+            continue
+        try:
+            fd = os.open(inside, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            clashes += 1
+        else:
+            os.close(fd)
+            os.unlink(inside)
+        unlock(endpoint, held)
+        taken += 1
+    out.put(clashes)
+
+
+def test_the_name_lock_excludes_while_holders_remove_its_file(name, tmp_path):
+    """unlock() removes the lock file, so a lock() that opened it just before must not count
+    the (unlinked) file it then locks: three processes taking and giving back the lock many
+    times are never inside together."""
+    endpoint = resolve(name=name)
+    inside, out = str(tmp_path / "inside"), SPAWN.Queue()
+    procs = [SPAWN.Process(target=_take_and_give_back, args=(endpoint, 800, inside, out)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    clashes = [out.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+    assert clashes == [0, 0, 0]
+    assert not os.path.exists(endpoint[len("ipc://") :] + ".lock")
 
 
 def test_second_producer_on_a_bound_tcp_port_is_refused_without_leaking():

@@ -289,9 +289,9 @@ class Producer:
             raise Closed(f"producer on {self.endpoint} is closed")
 
     def _release_lock(self) -> None:
-        if self._lock_file is not None:
-            self._lock_file.close()
-            self._lock_file = None
+        """Give up the name: its socket and lock files go (after the I/O thread stopped)."""
+        held, self._lock_file = self._lock_file, None
+        endpoints.unlock(self.endpoint, held)
 
 
 def _check_arguments(

@@ -239,11 +239,9 @@ def remove_files(endpoint: str) -> list[str]:
     except RuntimeError:
         return [p for p in paths if os.path.exists(p)]
     try:
-        for p in paths:
-            state_file.remove(Path(p))
+        state_file.remove(state_file.state_path(endpoint))
     finally:
-        if held is not None:
-            held.close()
+        endpoints.unlock(endpoint, held)  # the socket and lock files
     return [p for p in paths if os.path.exists(p)]
 
 
