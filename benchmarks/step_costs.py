@@ -1,0 +1,92 @@
+"""What each small step of a consumer's per-batch path costs on this machine, in a hot loop
+with nothing else running: decoding a BATCH message, a tensor view over shared memory, a
+batch's release finalizer, encoding a RELEASE, a zmq send. Why: a batch costs a consumer
+~220 us of CPU on the 2-core VM (``benchmarks.protocol_cost``) and no single change of thread
+layout or message count moved it (issue 18); these say where the microseconds are.
+
+    python3 -m benchmarks.step_costs   # -> benchmarks/results/step_costs-<host>-<date>.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import uuid
+import weakref
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+import zmq
+
+from benchmarks.sharing import RESULTS, machine, write
+from tensorsocket import protocol
+from tensorsocket.protocol import Kind
+
+
+def per_call_us(fn: Callable[[], object], calls: int) -> float:
+    """Median of 5 rounds of ``calls`` calls, in microseconds per call."""
+    rounds = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        rounds.append((time.perf_counter() - start) / calls * 1e6)
+    return round(sorted(rounds)[2], 2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--calls", type=int, default=20000)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    batch = protocol.encode(Kind.BATCH, seq=123456, epoch=3, index=77, place=5, layout=0, fingerprint=None)
+    region = np.frombuffer(bytearray(4096), dtype=np.uint8)
+
+    class Owner:
+        pass
+
+    context = zmq.Context()
+    sender, receiver = context.socket(zmq.DEALER), context.socket(zmq.DEALER)
+    address = f"ipc:///tmp/step-costs-{uuid.uuid4().hex[:8]}.sock"
+    receiver.bind(address)
+    sender.connect(address)
+    release = protocol.encode(Kind.RELEASE, seqs=[5])
+
+    def send_and_take() -> None:
+        sender.send(release)
+        receiver.recv()
+
+    steps = {
+        "decode a BATCH message (msgpack + checks)": lambda: protocol.decode(batch, protocol.MAX_REPLY_BYTES),
+        "a float32 (32, 16) tensor over shared memory": lambda: torch.from_numpy(
+            region[:2048].view(np.float32).reshape(32, 16)
+        ),
+        "a release finalizer (made and run)": lambda: weakref.finalize(Owner(), int)(),
+        "encode a RELEASE": lambda: protocol.encode(Kind.RELEASE, seqs=[5]),
+        "zmq send + recv of a RELEASE, one thread (no wake-up)": send_and_take,
+        "time.monotonic()": time.monotonic,
+    }
+    costs = {}
+    for label, fn in steps.items():
+        costs[label] = per_call_us(fn, args.calls)
+        print(f"{costs[label]:8.2f} us  {label}", flush=True)
+    sender.close(linger=0)
+    receiver.close(linger=0)
+    context.term()
+    result = {
+        "benchmark": "step_costs",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": [Path(sys.executable).name, "-m", "benchmarks.step_costs", *(argv or sys.argv[1:])],
+        "machine": machine(),
+        "config": {"calls_per_round": args.calls, "rounds": 5, "statistic": "median round"},
+        "us_per_call": costs,
+    }
+    print(f"wrote {write(result, 'step_costs', folder=args.out or RESULTS)}")
+
+
+if __name__ == "__main__":
+    main()
