@@ -1,8 +1,9 @@
 """What each small step of a consumer's per-batch path costs on this machine, in a hot loop
 with nothing else running: decoding a BATCH message, a tensor view over shared memory, a
-batch's release finalizer, encoding a RELEASE, a zmq send. Why: a batch costs a consumer
-~220 us of CPU on the 2-core VM (``benchmarks.protocol_cost``) and no single change of thread
-layout or message count moved it (issue 18); these say where the microseconds are.
+batch's release finalizer, encoding a RELEASE, a message through zmq, and the same message
+over a plain kernel socket pair. Why: a batch costs a consumer ~220 us of CPU on the 2-core
+VM (``benchmarks.protocol_cost``) and no single change of thread layout or message count
+moved it (issue 18); these say where the microseconds are.
 
     python3 -m benchmarks.step_costs   # -> benchmarks/results/step_costs-<host>-<date>.json
 """
@@ -10,6 +11,7 @@ layout or message count moved it (issue 18); these say where the microseconds ar
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
 import time
 import uuid
@@ -60,6 +62,14 @@ def main(argv: list[str] | None = None) -> None:
         sender.send(release)
         receiver.recv()
 
+    # What a message costs without ZeroMQ's I/O thread between the two ends: a kernel socket
+    # pair that keeps message boundaries (the shape a leaner control path could take).
+    near, far = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+
+    def send_and_take_unix() -> None:
+        near.send(release)
+        far.recv(65536)
+
     steps = {
         "decode a BATCH message (msgpack + checks)": lambda: protocol.decode(batch, protocol.MAX_REPLY_BYTES),
         "a float32 (32, 16) tensor over shared memory": lambda: torch.from_numpy(
@@ -68,6 +78,7 @@ def main(argv: list[str] | None = None) -> None:
         "a release finalizer (made and run)": lambda: weakref.finalize(Owner(), int)(),
         "encode a RELEASE": lambda: protocol.encode(Kind.RELEASE, seqs=[5]),
         "zmq send + recv of a RELEASE, one thread (no wake-up)": send_and_take,
+        "the same over a Unix SEQPACKET socket pair (no I/O thread)": send_and_take_unix,
         "time.monotonic()": time.monotonic,
     }
     costs = {}
@@ -76,6 +87,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{costs[label]:8.2f} us  {label}", flush=True)
     sender.close(linger=0)
     receiver.close(linger=0)
+    near.close()
+    far.close()
     context.term()
     result = {
         "benchmark": "step_costs",
