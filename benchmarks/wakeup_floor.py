@@ -7,7 +7,10 @@ consumer can take:
 * ``poll+thread``: the poll thread hands each message to another thread through a queue (a
   consumer's I/O thread and the caller's thread);
 * ``poll+thread+release``: and the taker pokes the poll thread back once per message (a batch
-  released: today's consumer).
+  released: today's consumer);
+* ``unix-recv``: one thread blocked in ``recv`` on a Unix ``SOCK_SEQPACKET`` socket instead of
+  a ZeroMQ one: no ZeroMQ I/O thread between sender and receiver (what a leaner control path
+  could cost).
 
 Why: on a VM every wake-up costs far more than the work it wakes for (issue 18); this says
 what a change of thread layout can win before any code is written.
@@ -18,7 +21,9 @@ what a change of thread layout can win before any code is written.
 from __future__ import annotations
 
 import argparse
+import os
 import queue
+import socket
 import statistics
 import sys
 import threading
@@ -32,13 +37,20 @@ import zmq
 
 from benchmarks.sharing import RESULTS, SPAWN, machine, write
 
-MODES = ("recv", "poll", "poll+thread", "poll+thread+release")
+MODES = ("recv", "poll", "poll+thread", "poll+thread+release", "unix-recv")
 
 
-def _send(address: str, count: int, period: float) -> None:
-    sock = zmq.Context().socket(zmq.PUSH)
-    sock.bind(address)
-    time.sleep(0.5)  # the receiver connects
+def _send(address: str, count: int, period: float, unix: bool) -> None:
+    if unix:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        listener.bind(address[len("ipc://") :])
+        listener.listen(1)
+        listener.settimeout(30)
+        sock, _ = listener.accept()
+    else:
+        sock = zmq.Context().socket(zmq.PUSH)
+        sock.bind(address)
+        time.sleep(0.5)  # the receiver connects
     frame, due = b"x" * 100, time.perf_counter()
     for _ in range(count + 1):
         while time.perf_counter() < due:
@@ -46,7 +58,30 @@ def _send(address: str, count: int, period: float) -> None:
         sock.send(frame)
         due += period
     sock.send(b"END")
-    sock.close(linger=2000)
+    if unix:
+        sock.close()
+        listener.close()
+        os.unlink(address[len("ipc://") :])
+    else:
+        sock.close(linger=2000)
+
+
+def _receive_unix(address: str, out: Any) -> None:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    deadline = time.monotonic() + 30
+    while True:  # the sender binds meanwhile
+        try:
+            sock.connect(address[len("ipc://") :])
+            break
+        except (FileNotFoundError, ConnectionRefusedError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+    sock.recv(4096)  # the first message: start counting after it
+    cpu0, count = time.process_time(), 0
+    while sock.recv(4096) != b"END":
+        count += 1
+    out.put((time.process_time() - cpu0) / count * 1e6)
 
 
 def _receive(address: str, mode: str, out: Any) -> None:
@@ -102,8 +137,11 @@ def _receive(address: str, mode: str, out: Any) -> None:
 def measure(mode: str, count: int, period: float) -> float:
     address = f"ipc:///tmp/wakeup-floor-{uuid.uuid4().hex[:8]}.sock"
     out = SPAWN.Queue()
-    receiver = SPAWN.Process(target=_receive, args=(address, mode, out))
-    sender = SPAWN.Process(target=_send, args=(address, count, period))
+    unix = mode == "unix-recv"
+    receiver = SPAWN.Process(
+        target=_receive_unix if unix else _receive, args=(address, out) if unix else (address, mode, out)
+    )
+    sender = SPAWN.Process(target=_send, args=(address, count, period, unix))
     receiver.start()
     sender.start()
     us = out.get(timeout=120)
