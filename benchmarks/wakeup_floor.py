@@ -85,6 +85,9 @@ def _receive_unix(address: str, out: Any) -> None:
 
 
 def _receive(address: str, mode: str, out: Any) -> None:
+    if mode == "unix-recv":
+        _receive_unix(address, out)
+        return
     from tensorsocket.wakeup import Wakeup
 
     sock = zmq.Context().socket(zmq.PULL)
@@ -137,11 +140,8 @@ def _receive(address: str, mode: str, out: Any) -> None:
 def measure(mode: str, count: int, period: float) -> float:
     address = f"ipc:///tmp/wakeup-floor-{uuid.uuid4().hex[:8]}.sock"
     out = SPAWN.Queue()
-    unix = mode == "unix-recv"
-    receiver = SPAWN.Process(
-        target=_receive_unix if unix else _receive, args=(address, out) if unix else (address, mode, out)
-    )
-    sender = SPAWN.Process(target=_send, args=(address, count, period, unix))
+    receiver = SPAWN.Process(target=_receive, args=(address, mode, out))
+    sender = SPAWN.Process(target=_send, args=(address, count, period, mode == "unix-recv"))
     receiver.start()
     sender.start()
     us = out.get(timeout=120)
