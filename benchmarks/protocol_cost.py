@@ -99,6 +99,31 @@ def run_once(variant: str, consumers: int, batches: int, timeout: float) -> dict
     }
 
 
+def line(r: dict[str, Any]) -> str:
+    """One run, as printed."""
+    wrong = f", wrong: {r['wrong_batches']}" if "wrong_batches" in r else ""
+    return (
+        f"{r['variant']:>13} x{r['consumers']}: consumer CPU {statistics.median(r['consumer_cpu_us_per_batch']):.1f} "
+        f"us/batch, producer CPU {r['producer_cpu_us_per_batch']:.1f} us/batch, "
+        f"{r['batches_per_s']:.0f} batches/s, every batch: {r['every_batch']}{wrong}"
+    )
+
+
+def medians(runs: list[dict[str, Any]], consumers: int, variants: Any) -> dict[str, dict[str, float]]:
+    """Each variant's medians over its runs with ``consumers`` consumers."""
+    out = {}
+    for variant in variants:
+        mine = [r for r in runs if r["variant"] == variant and r["consumers"] == consumers]
+        out[variant] = {
+            "consumer_cpu_us_per_batch": statistics.median(
+                statistics.median(r["consumer_cpu_us_per_batch"]) for r in mine
+            ),
+            "producer_cpu_us_per_batch": statistics.median(r["producer_cpu_us_per_batch"] for r in mine),
+            "batches_per_s": statistics.median(r["batches_per_s"] for r in mine),
+        }
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batches", type=int, default=5000)
@@ -114,24 +139,10 @@ def main(argv: list[str] | None = None) -> None:
             for variant in VARIANTS:
                 r = run_once(variant, consumers, args.batches, args.timeout) | {"run": rep + 1}
                 runs.append(r)
-                print(
-                    f"{variant:>13} x{consumers}: consumer CPU {statistics.median(r['consumer_cpu_us_per_batch']):.1f} "
-                    f"us/batch, producer CPU {r['producer_cpu_us_per_batch']:.1f} us/batch, "
-                    f"{r['batches_per_s']:.0f} batches/s, every batch: {r['every_batch']}",
-                    flush=True,
-                )
+                print(line(r), flush=True)
     summary = []
     for consumers in counts:
-        row: dict[str, Any] = {"consumers": consumers}
-        for variant in VARIANTS:
-            mine = [r for r in runs if r["variant"] == variant and r["consumers"] == consumers]
-            row[variant] = {
-                "consumer_cpu_us_per_batch": statistics.median(
-                    statistics.median(r["consumer_cpu_us_per_batch"]) for r in mine
-                ),
-                "producer_cpu_us_per_batch": statistics.median(r["producer_cpu_us_per_batch"] for r in mine),
-                "batches_per_s": statistics.median(r["batches_per_s"] for r in mine),
-            }
+        row: dict[str, Any] = {"consumers": consumers, **medians(runs, consumers, VARIANTS)}
         row["consumer_cpu_check_writes_over_read_only"] = round(
             row["check_writes"]["consumer_cpu_us_per_batch"] / row["read-only"]["consumer_cpu_us_per_batch"],
             2,

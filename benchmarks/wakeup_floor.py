@@ -8,9 +8,11 @@ consumer can take:
   consumer's I/O thread and the caller's thread);
 * ``poll+thread+release``: and the taker pokes the poll thread back once per message (a batch
   released: today's consumer);
-* ``unix-recv``: one thread blocked in ``recv`` on a Unix ``SOCK_SEQPACKET`` socket instead of
-  a ZeroMQ one: no ZeroMQ I/O thread between sender and receiver (what a leaner control path
-  could cost).
+* ``zmq-fd-...``: the poll shapes with ``select.poll`` over ZeroMQ's own file descriptor
+  (edge-triggered, so ``EVENTS`` is read before each wait) instead of ``zmq.Poller``;
+* ``unix-...``: each of these shapes again over a Unix ``SOCK_SEQPACKET`` socket instead of a
+  ZeroMQ one (``select.poll`` instead of ``zmq.Poller``): no ZeroMQ I/O thread between sender
+  and receiver (what a leaner control path could cost).
 
 Why: on a VM every wake-up costs far more than the work it wakes for (issue 18); this says
 what a change of thread layout can win before any code is written.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import queue
+import select
 import socket
 import statistics
 import sys
@@ -37,7 +40,8 @@ import zmq
 
 from benchmarks.sharing import RESULTS, SPAWN, machine, write
 
-MODES = ("recv", "poll", "poll+thread", "poll+thread+release", "unix-recv")
+SHAPES = ("recv", "poll", "poll+thread", "poll+thread+release")
+MODES = SHAPES + tuple(f"zmq-fd-{shape}" for shape in SHAPES[1:]) + tuple(f"unix-{shape}" for shape in SHAPES)
 
 
 def _send(address: str, count: int, period: float, unix: bool) -> None:
@@ -66,64 +70,91 @@ def _send(address: str, count: int, period: float, unix: bool) -> None:
         sock.close(linger=2000)
 
 
-def _receive_unix(address: str, out: Any) -> None:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    deadline = time.monotonic() + 30
-    while True:  # the sender binds meanwhile
+class _UnixPuller:
+    """The receiving end of a Unix ``SOCK_SEQPACKET`` connection, with the few calls a
+    receiver needs (the ZeroMQ socket has them natively): connect, recv, recv without waiting."""
+
+    def __init__(self, address: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        deadline = time.monotonic() + 30
+        while True:  # the sender binds meanwhile
+            try:
+                self.sock.connect(address[len("ipc://") :])
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
+
+    def recv(self) -> bytes:
+        return self.sock.recv(4096)
+
+    def recv_nowait(self) -> bytes | None:
         try:
-            sock.connect(address[len("ipc://") :])
-            break
-        except (FileNotFoundError, ConnectionRefusedError):
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.01)
-    sock.recv(4096)  # the first message: start counting after it
-    cpu0, count = time.process_time(), 0
-    while sock.recv(4096) != b"END":
-        count += 1
-    out.put((time.process_time() - cpu0) / count * 1e6)
+            return self.sock.recv(4096, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return None
+
+
+class _ZmqPuller:
+    def __init__(self, address: str) -> None:
+        self.sock = zmq.Context().socket(zmq.PULL)
+        self.sock.connect(address)
+
+    def recv(self) -> bytes:
+        return self.sock.recv()
+
+    def recv_nowait(self) -> bytes | None:
+        try:
+            return self.sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return None
 
 
 def _receive(address: str, mode: str, out: Any) -> None:
-    if mode == "unix-recv":
-        _receive_unix(address, out)
-        return
     from tensorsocket.wakeup import Wakeup
 
-    sock = zmq.Context().socket(zmq.PULL)
-    sock.connect(address)
+    unix, by_fd = mode.startswith("unix-"), mode.startswith("zmq-fd-")
+    shape = mode.removeprefix("unix-").removeprefix("zmq-fd-")
+    puller = _UnixPuller(address) if unix else _ZmqPuller(address)
     wakeup = Wakeup()
-    poller = zmq.Poller()
-    poller.register(sock, zmq.POLLIN)
-    poller.register(wakeup.fd, zmq.POLLIN)
+    if unix or by_fd:  # a plain poll(2) over two file descriptors
+        poller: Any = select.poll()
+        ready = puller.sock.fileno() if unix else puller.sock.getsockopt(zmq.FD)
+        poller.register(ready, select.POLLIN)
+        poller.register(wakeup.fd, select.POLLIN)
+    else:
+        poller = zmq.Poller()
+        poller.register(puller.sock, zmq.POLLIN)
+        poller.register(wakeup.fd, zmq.POLLIN)
+        ready = puller.sock
     taken = queue.SimpleQueue()
 
     def drain() -> bool:
         """Every waiting frame; False at END."""
-        while True:
-            try:
-                frame = sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return True
+        while (frame := puller.recv_nowait()) is not None:
             taken.put(frame)
             if frame == b"END":
                 return False
+        return True
 
     def poll_loop() -> None:
         going = True
         while going:
-            events = dict(poller.poll(50))
+            # ZeroMQ's FD is edge-triggered: a frame already queued does not wake poll(2)
+            waiting = by_fd and puller.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN
+            events = dict(poller.poll(0 if waiting else 50))
             if wakeup.fd in events:
                 wakeup.drain()
-            if sock in events:
+            if ready in events or waiting:
                 going = drain()
 
-    sock.recv()  # the first message: start counting after it
+    puller.recv()  # the first message: start counting after it
     cpu0, count = time.process_time(), 0
-    if mode == "recv":
-        while sock.recv() != b"END":
+    if shape == "recv":
+        while puller.recv() != b"END":
             count += 1
-    elif mode == "poll":
+    elif shape == "poll":
         poll_loop()
         count = taken.qsize() - 1
     else:
@@ -131,7 +162,7 @@ def _receive(address: str, mode: str, out: Any) -> None:
         thread.start()
         while taken.get(timeout=30) != b"END":
             count += 1
-            if mode == "poll+thread+release":
+            if shape == "poll+thread+release":
                 wakeup.wake()
         thread.join(30)
     out.put((time.process_time() - cpu0) / count * 1e6)
@@ -141,7 +172,7 @@ def measure(mode: str, count: int, period: float) -> float:
     address = f"ipc:///tmp/wakeup-floor-{uuid.uuid4().hex[:8]}.sock"
     out = SPAWN.Queue()
     receiver = SPAWN.Process(target=_receive, args=(address, mode, out))
-    sender = SPAWN.Process(target=_send, args=(address, count, period, mode == "unix-recv"))
+    sender = SPAWN.Process(target=_send, args=(address, count, period, mode.startswith("unix-")))
     receiver.start()
     sender.start()
     us = out.get(timeout=120)
