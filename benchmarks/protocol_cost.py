@@ -9,7 +9,9 @@ once. Variants, one after the other in the same run:
 
 * ``read-only``: the default: host batches mapped read-only, no fingerprint check at release;
 * ``check_writes``: ``Consumer(check_writes=True)``: writable mappings, each batch's sampled
-  fingerprint checked at release (what every host consumer did before read-only mappings).
+  fingerprint checked at release (what every host consumer did before read-only mappings);
+* ``zeromq``: as ``read-only``, but the producer offers no sessions (``TENSORSOCKET_SESSION=0``),
+  so every message goes over ZeroMQ (what every consumer did before sessions).
 
     python3 -m benchmarks.protocol_cost [--batches 5000] [--consumers 1,4] [--repeat 3]
     # -> benchmarks/results/protocol_cost-<host>-<date>.json
@@ -18,6 +20,7 @@ once. Variants, one after the other in the same run:
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -30,7 +33,9 @@ import torch
 
 from benchmarks.sharing import RESULTS, SPAWN, machine, write
 
-VARIANTS = {"read-only": {}, "check_writes": {"check_writes": True}}
+VARIANTS = {"read-only": {}, "check_writes": {"check_writes": True}, "zeromq": {}}
+#: The producer's environment per variant: "zeromq" offers no sessions (every message over ZeroMQ)
+PRODUCER_ENV = {"zeromq": {"TENSORSOCKET_SESSION": "0"}}
 
 
 class Tiny:
@@ -48,7 +53,8 @@ class Tiny:
         return (self.made[i % 4] for i in range(self.batches))
 
 
-def _produce(name: str, batches: int, consumers: int, out: Any) -> None:
+def _produce(name: str, batches: int, consumers: int, env: dict[str, str], out: Any) -> None:
+    os.environ.update(env)
     from tensorsocket import Producer
 
     torch.set_num_threads(1)
@@ -80,7 +86,9 @@ def run_once(variant: str, consumers: int, batches: int, timeout: float) -> dict
     name = f"cost-{uuid.uuid4().hex[:8]}"
     out = SPAWN.Queue()
     procs = [SPAWN.Process(target=_consume, args=(name, VARIANTS[variant], out)) for _ in range(consumers)]
-    procs.append(SPAWN.Process(target=_produce, args=(name, batches, consumers, out)))
+    procs.append(
+        SPAWN.Process(target=_produce, args=(name, batches, consumers, PRODUCER_ENV.get(variant, {}), out))
+    )
     for p in procs:
         p.start()
     reports = [out.get(timeout=timeout) for _ in procs]
@@ -147,6 +155,11 @@ def main(argv: list[str] | None = None) -> None:
             row["check_writes"]["consumer_cpu_us_per_batch"] / row["read-only"]["consumer_cpu_us_per_batch"],
             2,
         )
+        row["read_only_over_zeromq"] = {  # what sessions change
+            k: round(row["read-only"][k] / row["zeromq"][k], 2)
+            for k in ("consumer_cpu_us_per_batch", "producer_cpu_us_per_batch", "batches_per_s")
+        }
+        print(f"x{consumers}: read-only (sessions) / zeromq: {row['read_only_over_zeromq']}")
         summary.append(row)
     result = {
         "benchmark": "protocol_cost",

@@ -16,7 +16,7 @@ import msgpack
 
 from .errors import ProtocolError
 
-VERSION = 8
+VERSION = 9
 #: Largest frame a consumer may send; the producer also sets ZMQ_MAXMSGSIZE to this.
 MAX_REQUEST_BYTES = 64 * 1024
 #: Largest frame a producer may send (a BATCH whose layout has very many leaves).
@@ -39,7 +39,9 @@ class Kind(str, Enum):
     EVICTED, ERROR, STATUS, GROUP_BROKEN. LAYOUT numbers a layout that BATCH messages then name
     by number (tensorsocket.layout_table); END carries a reason when the producer stopped on an
     error; SKIPPED says how many batches a straggler was moved past, where the gap is;
-    GROUP_BROKEN that another member of this consumer's group left (nothing more comes)."""
+    GROUP_BROKEN that another member of this consumer's group left (nothing more comes).
+    SESSION (consumer, on its session connection), SWITCHED and LARGE (producer) move a
+    consumer's messages to a connection of its own (tensorsocket.session)."""
 
     HELLO = "hello"
     WELCOME = "welcome"
@@ -59,6 +61,9 @@ class Kind(str, Enum):
     ERROR = "error"
     GROUP_BROKEN = "group_broken"
     READY = "ready"
+    SESSION = "session"
+    SWITCHED = "switched"
+    LARGE = "large"
 
 
 def _int(lo: int = 0, hi: int = _MAX_INT) -> Callable[[Any], bool]:
@@ -126,6 +131,10 @@ def _layouts(v: Any) -> bool:
     )
 
 
+def _session(v: Any) -> bool:
+    return type(v) is list and len(v) == 2 and _str(96)(v[0]) and _str(64)(v[1])
+
+
 def _arena(v: Any) -> bool:
     # [transport, place, ...]: the rest is decoded, strictly, by that transport's reader.
     return type(v) is list and 2 <= len(v) <= 8 and v[0] in TRANSPORTS and _int(0, 1 << 16)(v[1])
@@ -163,6 +172,7 @@ SCHEMA: dict[Kind, dict[str, Callable[[Any], bool]]] = {
         "stream": _str(64),  # this stream's id: a consumer's saved position is only good on it
         "restarted": _opt(_restarted),
         "layouts": _layouts,
+        "session": _opt(_session),  # [address, token] of a connection of this consumer's own
     },
     Kind.ARENA: {"arena": _arena},
     Kind.LAYOUT: {"number": _int(0, 1 << 16), "layout": _any},
@@ -187,6 +197,9 @@ SCHEMA: dict[Kind, dict[str, Callable[[Any], bool]]] = {
     Kind.ERROR: {"reason": _str(4096)},
     Kind.GROUP_BROKEN: {"reason": _str(4096), "at_once": lambda v: type(v) is bool},
     Kind.READY: {"resume": _opt(_resume)},
+    Kind.SESSION: {"token": _str(64)},
+    Kind.SWITCHED: {},
+    Kind.LARGE: {},
 }
 
 

@@ -365,6 +365,7 @@ class FakeProducer:
                 stream="fake",
                 restarted=None,
                 layouts=self.layouts,
+                session=None,  # (a fake producer speaks ZeroMQ only: consumers stay on it)
             )
             protocol.decode(welcome, protocol.MAX_REPLY_BYTES)  # our WELCOME itself is valid
             self.socket.send_multipart([cid, welcome])

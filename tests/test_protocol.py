@@ -65,6 +65,8 @@ VALID: dict[str, Any] = {
     "resume": ["0123abcd", 3, 17, False],
     "stream": "0123abcd",
     "restarted": ["0123abcd", 2],
+    "session": ["tensorsocket-4242-0123456789abcdef", "f" * 32],
+    "token": "f" * 32,
 }
 EDGES: dict[str, list[Any]] = {
     "version": [protocol.VERSION],  # any other is refused: test_other_protocol_versions_are_refused
@@ -106,6 +108,8 @@ EDGES: dict[str, list[Any]] = {
     "resume": [None, ["", 0, 0, False], ["s" * 64, 2**63 - 1, 2**63 - 1, True]],
     "stream": ["", "s" * 64],
     "restarted": [None, ["", 0], ["s" * 64, 2**63 - 1]],
+    "session": [None, ["", ""], ["a" * 96, "t" * 64]],
+    "token": ["", "t" * 64],
 }
 # Values no kind may accept for that field: wrong type, bool for int, out of range, too long.
 BAD: dict[str, list[Any]] = {
@@ -185,6 +189,8 @@ BAD: dict[str, list[Any]] = {
     ],
     "stream": [None, 1, "s" * 65, b"s"],
     "restarted": ["s", [], ["s"], ["s", -1], ["s", True], [1, 0], ["s" * 65, 0], ["s", 0, 0]],
+    "session": ["s", [], ["s"], ["a" * 97, "t"], ["a", "t" * 65], [1, "t"], ["a", None], ["a", "t", "x"]],
+    "token": [None, 1, "t" * 65, b"t", ["t"]],
 }
 
 

@@ -1,5 +1,5 @@
 """The consumer's I/O thread: it creates the DEALER socket, joins the producer (HELLO /
-WELCOME), then owns the socket: it receives BATCH messages and builds them into batches, sends
+WELCOME), then owns the link (that socket, then its session): it builds BATCHes into batches, sends
 heartbeats, STATS and releases, and watches the producer (its pid when local, its silence
 otherwise), so a lost producer raises ProducerLost in next() instead of blocking."""
 
@@ -20,6 +20,7 @@ from ..layout_table import Recipes
 from ..protocol import Kind
 from ..transport import Reader
 from . import delivery, handshake, resume
+from .link import Link
 from .shared import BATCH, END, EPOCH_END, ERROR, RESTARTED, SKIPPED, Settings, Shared
 
 log = logging.getLogger("tensorsocket")
@@ -48,12 +49,12 @@ def run(shared: Shared, settings: Settings, outcome: queue.SimpleQueue[Any]) -> 
     try:
         if io.serve():
             io.send_releases()
-            _send_quietly(io.socket, protocol.encode(Kind.BYE))
+            io.link.send(protocol.encode(Kind.BYE))
     except Exception as exc:
         log.exception("consumer I/O thread for %s failed", settings.endpoint)
         shared.fail(ProducerLost(f"consumer I/O failed: {type(exc).__name__}: {exc}"))
     finally:
-        io.socket.close(linger=100)
+        io.link.close(linger_ms=100)
 
 
 @dataclass
@@ -67,7 +68,7 @@ class _Clock:
 
 
 class ConsumerIo:
-    """The I/O thread's state; only this thread touches the socket."""
+    """The I/O thread's state; only this thread touches the link."""
 
     def __init__(
         self,
@@ -78,8 +79,11 @@ class ConsumerIo:
         reader: Reader,
         recipes: Recipes,
     ) -> None:
-        self.socket, self.shared, self.settings = socket, shared, settings
+        self.shared, self.settings = shared, settings
         self.endpoint = settings.endpoint
+        self.poller = zmq.Poller()
+        self.poller.register(shared.wakeup.fd, zmq.POLLIN)
+        self.link = Link(socket, self.poller, settings.timeout)
         self._welcomed(welcome, reader, recipes)
         self.ready_sent = False
         # For a rejoin: the stream and the last entry received (its seq and where the next
@@ -97,12 +101,10 @@ class ConsumerIo:
         self.producer_local = same_host(welcome["boot_id"], welcome["pidns"])
         self.heartbeat = min(welcome["heartbeat"], self.settings.timeout / 4)
         self.batches_per_epoch: int | None = welcome["batches"]
+        self.link.open_session(welcome, self.producer_local)
 
     def serve(self) -> bool:
         """Turn until stopped (True: leave politely) or the stream is over for us (False)."""
-        self.poller = zmq.Poller()
-        self.poller.register(self.socket, zmq.POLLIN)
-        self.poller.register(self.shared.wakeup.fd, zmq.POLLIN)
         now = time.monotonic()
         clock = _Clock(now, now, now)
         while not self.shared.stop.is_set():
@@ -124,10 +126,14 @@ class ConsumerIo:
             self._send(protocol.encode(Kind.STATUS, status=None))
         clock.last_awake = now
         shared.io_tick = now  # see Batches.catch_up_after_freeze
-        if self.socket in events:
+        if self.link.readable(events):
             clock.last_seen = now
             if not self._receive():
                 return False
+            if self.link.closed:  # the producer died, or cut us off without a word
+                dead = not (self.producer_local and pid_alive(self.producer_pid))
+                what = f"(pid {self.producer_pid}) died" if dead else "closed this consumer's connection"
+                return self._lost(f"the producer at {self.endpoint} {what}", clock)
         if shared.wakeup.fd in events:
             shared.wakeup.drain()
         if self.send_releases():
@@ -177,13 +183,11 @@ class ConsumerIo:
             self.shared.fail(ProducerLost(why))
             return False
         log.warning("%s; waiting up to %g s for a producer to continue the stream", why, wait)
-        self.poller.unregister(self.socket)
-        self.socket.close(linger=0)
-        self.socket = handshake.connect(self.settings)
-        self.poller.register(self.socket, zmq.POLLIN)
+        self.link.close(linger_ms=0)
+        self.link = Link(handshake.connect(self.settings), self.poller, self.settings.timeout)
         at = None if self.next_at is None else [self.stream, *self.next_at, True]
         try:
-            welcome = handshake.join(self.socket, self.settings, at, wait, self.shared)
+            welcome = handshake.join(self.link.socket, self.settings, at, wait, self.shared)
         except (ProducerLost, Refused, ProtocolError, ValueError) as exc:
             if self.shared.stop.is_set():
                 return True  # close() was called meanwhile
@@ -194,17 +198,17 @@ class ConsumerIo:
         if welcome["pid"] == self.producer_pid and self.producer_local:
             # Silent, not dead: our old connection is still registered there, and once it is
             # evicted the places under what we hold and have queued may be reused.
-            _send_quietly(self.socket, protocol.encode(Kind.BYE))
+            self.link.send(protocol.encode(Kind.BYE))
             self.shared.fail(ProducerLost(f"{why}; it is still running, so this consumer cannot rejoin it"))
             return False
         if not self._same_stream(welcome):
-            _send_quietly(self.socket, protocol.encode(Kind.BYE))
+            self.link.send(protocol.encode(Kind.BYE))
             return False
         try:
             reader = handshake.open_reader_for(welcome, self.settings)
             recipes = Recipes(welcome["layouts"])
         except Exception as exc:
-            _send_quietly(self.socket, protocol.encode(Kind.BYE))
+            self.link.send(protocol.encode(Kind.BYE))
             self.shared.fail(ProducerLost(f"{why}; its successor's memory or layouts cannot be read: {exc}"))
             return False
         old, self.reader = self.reader, None  # type: ignore[assignment]
@@ -248,15 +252,14 @@ class ConsumerIo:
         return False
 
     def _send(self, frame: bytes) -> None:
-        _send_quietly(self.socket, frame)
+        self.link.send(frame)
 
     def _receive(self) -> bool:
         """Handle every waiting message; False when the stream is over for this consumer."""
         shared = self.shared
         while True:
-            try:
-                frame = self.socket.recv(zmq.NOBLOCK)
-            except zmq.Again:
+            frame = self.link.recv()
+            if frame is None:
                 return True
             try:
                 kind, msg = protocol.decode(frame, protocol.MAX_REPLY_BYTES)

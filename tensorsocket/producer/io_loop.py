@@ -23,6 +23,7 @@ from ..errors import ProtocolError
 from ..flow import LateJoin, Membership, Tail
 from ..host import boot_id, pid_alive, pid_namespace, same_host
 from ..protocol import Kind
+from .sessions import Sessions
 from .shared import Peer, Shared
 
 log = logging.getLogger("tensorsocket")
@@ -73,6 +74,12 @@ class IoLoop:
             socket.close(0)
             self._bound.put(RuntimeError(f"cannot bind {endpoint}: {exc}"))
             return
+        try:
+            self.sessions = Sessions()
+        except OSError as exc:
+            socket.close(0)
+            self._bound.put(RuntimeError(f"cannot listen for consumers' sessions: {exc}"))
+            return
         self._bound.put(endpoint)
         self.socket = socket
         self.endpoint = endpoint
@@ -80,23 +87,29 @@ class IoLoop:
         poller = zmq.Poller()
         poller.register(socket, zmq.POLLIN)
         poller.register(shared.wakeup.fd, zmq.POLLIN)
+        polled: dict[int, int] = {}  # session descriptors registered, with their events
         next_tick = 0.0
         try:
             while not shared.stop.is_set():
+                polled = _repoll(poller, polled, self.sessions.fds())
                 events = dict(poller.poll(int(TICK * 1000)))
                 if shared.wakeup.fd in events:
                     shared.wakeup.drain()
                 if socket in events:
                     self._receive()
+                for fd in polled.keys() & events.keys():
+                    self._session_event(fd)
                 now = time.monotonic()
                 if now >= next_tick:
                     self._check_peers(now)
+                    self.sessions.expire(now)
                     next_tick = now + TICK
                 self._flush(now)
             self._flush(time.monotonic())
         except Exception:
             log.exception("producer I/O thread on %s failed", endpoint)
         finally:
+            self.sessions.close()
             socket.close()
             with shared.changed:
                 shared.changed.notify_all()
@@ -112,9 +125,31 @@ class IoLoop:
                     peer.last_sent = now
         for cid, frame in frames:
             try:
-                self.socket.send_multipart([cid, frame], zmq.NOBLOCK)  # type: ignore[list-item]
+                if not self.sessions.send(self.socket, cid, frame):
+                    self.socket.send_multipart([cid, frame], zmq.NOBLOCK)  # type: ignore[list-item]
             except zmq.Again:
                 log.warning("dropped a message to %r: its queue is full", cid)
+        self.sessions.close_gone(shared.peers)  # (peers: only this thread changes it)
+
+    def _session_event(self, fd: int) -> None:
+        """Something on a session descriptor: a connection to accept, one saying whose it is
+        (then everything queued for that consumer goes over ZeroMQ, then SWITCHED, then the
+        rest over the connection), room to send, or a consumer's messages."""
+        sessions = self.sessions
+        if sessions.listener is not None and fd == sessions.listener.fileno():
+            sessions.accept()
+        elif sessions.unbound(fd):
+            bound = sessions.bind(fd, self.shared.peers)
+            if bound is not None:
+                self._flush(time.monotonic())
+                sessions.switched(self.socket, bound[0])
+                sessions.activate(*bound)
+        elif fd in sessions.cid_of:
+            cid, frames, closed = sessions.read(fd)
+            for frame in frames:
+                self._apply(cid, frame)
+            if closed:  # (or cut off for breaking the protocol)
+                self._closed(cid)
 
     def _receive(self) -> None:
         for _ in range(1000):  # bounded, so ticks still run under a flood
@@ -125,14 +160,25 @@ class IoLoop:
             if len(frames) != 2:
                 self._bad(frames[0], f"expected 1 frame after the routing id, got {len(frames) - 1}")
                 continue
-            cid, frame = frames
-            try:
-                kind, msg = protocol.decode(frame)
-                with self.shared.changed:
-                    self._handle(cid, kind, msg)
-                    self.shared.changed.notify_all()
-            except ProtocolError as exc:
-                self._bad(cid, str(exc))
+            self._apply(*frames)
+
+    def _apply(self, cid: bytes, frame: bytes) -> None:
+        try:
+            kind, msg = protocol.decode(frame)
+            with self.shared.changed:
+                self._handle(cid, kind, msg)
+                self.shared.changed.notify_all()
+        except ProtocolError as exc:
+            self._bad(cid, str(exc))
+
+    def _closed(self, cid: bytes) -> None:
+        """A consumer's session connection closed: it died, or broke the protocol."""
+        with self.shared.changed:
+            peer = self.shared.peers.get(cid)
+            if peer is not None:
+                dead = peer.local and not pid_alive(peer.pid)
+                self._drop(cid, "died; evicted" if dead else "closed its session connection; evicted")
+            self.shared.changed.notify_all()
 
     def _bad(self, cid: bytes, reason: str) -> None:
         shared = self.shared
@@ -239,6 +285,7 @@ class IoLoop:
             stream=config.stream,
             restarted=config.restarted,
             layouts=shared.layouts.entries,
+            session=self.sessions.offer(cid),
         )
         shared.outbox.append((cid, welcome))
         shared.send_all(actions)
@@ -263,6 +310,7 @@ class IoLoop:
             if len(shared.departed) > 256:  # the last few are enough
                 shared.departed.popitem(last=False)
         shared.send_all(shared.flow.leave(cid))
+        self.sessions.forget(cid)
         if peer is not None:
             log.info("%s %s (%d connected)", peer.describe(), why, len(shared.peers))
 
@@ -279,6 +327,17 @@ class IoLoop:
                 elif now - peer.last_sent > _heartbeat_interval(peer):
                     shared.outbox.append((cid, protocol.encode(Kind.HEARTBEAT)))
             shared.changed.notify_all()
+
+
+def _repoll(poller: zmq.Poller, polled: dict[int, int], wanted: dict[int, int]) -> dict[int, int]:
+    """Bring ``poller``'s session descriptors from ``polled`` to ``wanted`` (fd: events)."""
+    if wanted != polled:
+        for fd in polled.keys() - wanted.keys():
+            poller.unregister(fd)
+        for fd, flags in wanted.items():
+            if polled.get(fd) != flags:
+                poller.register(fd, flags)
+    return wanted
 
 
 def _heartbeat_interval(peer: Peer) -> float:

@@ -1,0 +1,169 @@
+"""The producer's side of consumers' sessions (see :mod:`tensorsocket.session`): the listener,
+connections waiting for their SESSION message, and the connection each consumer moved to.
+Used only by the I/O thread, which polls :meth:`Sessions.fds` with its socket."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Hashable
+
+import zmq
+
+from .. import protocol, session
+from ..errors import ProtocolError
+from ..protocol import Kind
+
+log = logging.getLogger("tensorsocket")
+
+_BIND_WITHIN = 10.0  # seconds a connection may take to say whose it is
+_MAX_UNBOUND = 64  # connections at once that have not said whose they are; more are closed
+_ACCEPT_PAUSE = 1.0  # seconds the listener is not polled after accept() failed (out of descriptors)
+_LARGE = protocol.encode(Kind.LARGE)
+_SWITCHED = protocol.encode(Kind.SWITCHED)
+
+
+class Sessions:
+    def __init__(self) -> None:
+        self.listener, self.address = session.listen() if session.offered() else (None, None)
+        self._tokens: dict[str, Hashable] = {}  # offered in a WELCOME, not yet used
+        self._unbound: dict[int, tuple[session.Connection, float]] = {}  # by fd: and its deadline
+        self._accept_from = 0.0  # (monotonic) when the listener is polled again after a failure
+        self.by_cid: dict[Hashable, session.Connection] = {}
+        self.cid_of: dict[int, Hashable] = {}  # by fd
+
+    def offer(self, cid: Hashable) -> list[str] | None:
+        """WELCOME's ``session`` for ``cid``: the address and a fresh token, or None."""
+        if self.address is None:
+            return None
+        token = session.token()
+        self._tokens[token] = cid
+        return [self.address, token]
+
+    def fds(self) -> dict[int, int]:
+        """Every descriptor to poll, with its events (POLLOUT where sends wait)."""
+        listening = self.listener is not None and time.monotonic() >= self._accept_from
+        out = {self.listener.fileno(): zmq.POLLIN} if listening else {}  # type: ignore[union-attr]
+        out.update((fd, zmq.POLLIN) for fd in self._unbound)
+        for conn in self.by_cid.values():
+            out[conn.fd] = zmq.POLLIN | (zmq.POLLOUT if conn.pending else 0)
+        return out
+
+    def accept(self) -> None:
+        """Take new connections: only from this user's processes, and a bounded number at a
+        time (a consumer refused here stays on ZeroMQ: it never gets SWITCHED)."""
+        assert self.listener is not None
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # out of descriptors, say: poll it again a little later
+                log.warning("could not accept a consumer's session connection: %s", exc)
+                self._accept_from = time.monotonic() + _ACCEPT_PAUSE
+                return
+            if session.peer_uid(sock) != os.getuid() or len(self._unbound) >= _MAX_UNBOUND:
+                sock.close()
+                continue
+            conn = session.Connection(sock)
+            self._unbound[conn.fd] = (conn, time.monotonic() + _BIND_WITHIN)
+
+    def bind(self, fd: int, peers: dict[Hashable, object]) -> tuple[Hashable, session.Connection] | None:
+        """Read a new connection's SESSION message: the consumer it speaks for and the
+        connection, to :meth:`activate` once what was queued for it went; or None (nothing
+        yet; or refused: closed)."""
+        conn, _ = self._unbound[fd]
+        frame = conn.recv(protocol.MAX_REQUEST_BYTES)
+        if frame is None:
+            return None
+        del self._unbound[fd]
+        try:
+            kind, msg = protocol.decode(frame) if frame else (None, {})
+            cid = self._tokens.pop(msg["token"], None) if kind is Kind.SESSION else None
+        except ProtocolError:
+            cid = None
+        if cid is None or cid not in peers or cid in self.by_cid:
+            log.warning("closed a session connection that did not present a valid token")
+            conn.close()
+            return None
+        return cid, conn
+
+    def activate(self, cid: Hashable, conn: session.Connection) -> None:
+        """From now on ``cid``'s messages go over ``conn``."""
+        self.by_cid[cid], self.cid_of[conn.fd] = conn, cid
+
+    def read(self, fd: int) -> tuple[Hashable, list[bytes], bool]:
+        """A consumer's connection: send what waited, and take its messages (at most 1000, so
+        ticks still run under a flood); True if it closed (then it is dropped here)."""
+        cid = self.cid_of[fd]
+        conn = self.by_cid[cid]
+        conn.flush()
+        frames: list[bytes] = []
+        for _ in range(1000):
+            frame = conn.recv(protocol.MAX_REQUEST_BYTES)
+            if frame is None:
+                break
+            if not frame:
+                self._close(cid, conn)
+                return cid, frames, True
+            frames.append(frame)
+        return cid, frames, False
+
+    def expire(self, now: float) -> None:
+        """Close connections that never said whose they are, and tokens never used."""
+        for fd, (conn, deadline) in list(self._unbound.items()):
+            if now > deadline:
+                del self._unbound[fd]
+                conn.close()
+
+    def forget(self, cid: Hashable) -> None:
+        """``cid`` left: its unused token goes (its connection closes once flushed: :meth:`close_gone`)."""
+        for token, owner in list(self._tokens.items()):
+            if owner == cid:
+                del self._tokens[token]
+
+    def unbound(self, fd: int) -> bool:
+        return fd in self._unbound
+
+    def send(self, socket: zmq.Socket, cid: Hashable, frame: bytes) -> bool:
+        """Send ``frame`` over ``cid``'s connection (a large one over ``socket``, with its
+        place kept on the connection); False if ``cid`` has none."""
+        conn = self.by_cid.get(cid)
+        if conn is None:
+            return False
+        if len(frame) > session.MAX_DATAGRAM:
+            socket.send_multipart([cid, frame], zmq.NOBLOCK)  # type: ignore[list-item]
+            frame = _LARGE
+        conn.send(frame)
+        return True
+
+    def switched(self, socket: zmq.Socket, cid: Hashable) -> None:
+        """The last message ``cid`` gets over ZeroMQ (everything queued before it went first)."""
+        socket.send_multipart([cid, _SWITCHED], zmq.NOBLOCK)  # type: ignore[list-item]
+
+    def close_gone(self, peers: dict[Hashable, object]) -> None:
+        """Close the connections of consumers that left, once what was sent to them went."""
+        for cid, conn in list(self.by_cid.items()):
+            if cid not in peers and (not conn.pending or conn.broken):
+                self._close(cid, conn)
+
+    def drop(self, cid: Hashable) -> None:
+        conn = self.by_cid.get(cid)
+        if conn is not None:
+            self._close(cid, conn)
+
+    def _close(self, cid: Hashable, conn: session.Connection) -> None:
+        del self.by_cid[cid]
+        self.cid_of.pop(conn.fd, None)
+        conn.close()
+
+    def close(self) -> None:
+        for conn, _ in self._unbound.values():
+            conn.close()
+        for cid, conn in list(self.by_cid.items()):
+            conn.flush()
+            self._close(cid, conn)
+        self._unbound.clear()
+        if self.listener is not None:
+            self.listener.close()

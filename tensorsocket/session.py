@@ -1,0 +1,136 @@
+"""A consumer's session with its producer: after the HELLO / WELCOME handshake over ZeroMQ, a
+consumer on the producer's host moves every later message to a Unix ``SOCK_SEQPACKET``
+connection of its own.
+
+Why: a message through ZeroMQ wakes its I/O thread on both sides, a large part of what a tiny
+batch costs on a small VM (``benchmarks.protocol_cost``, variant ``zeromq``: with sessions the
+producer takes 0.8x the CPU per batch). The kernel keeps message boundaries and order, a
+peer's death closes the connection, and unlike a ZeroMQ socket a connection may be written
+by more than one thread.
+
+The producer listens on an abstract address (no file to clean up); a connection is bound to
+the consumer that received the WELCOME naming its random token, so nobody else can speak for
+it. The move, in order:
+
+1. the producer's WELCOME names the address and a token;
+2. the consumer connects and sends SESSION(token) on the connection;
+3. the producer sends everything queued for it so far over ZeroMQ, then SWITCHED, the last
+   message it sends there, and from then on uses the connection;
+4. the consumer reads ZeroMQ until SWITCHED, then only the connection.
+
+A consumer that cannot connect (another network namespace) stays on ZeroMQ. A producer's
+message too large for one datagram goes over ZeroMQ, with a LARGE placeholder on the
+connection where it belongs in the order.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import secrets
+import socket
+import struct
+
+#: Largest message sent as one datagram (a consumer's are all smaller: protocol.MAX_REQUEST_BYTES).
+MAX_DATAGRAM = 64 * 1024
+_BUFFER = 1 << 20  # socket buffer asked for (the kernel caps it at net.core.[rw]mem_max)
+_ENV = "TENSORSOCKET_SESSION"  # "0": the producer offers no session (everything over ZeroMQ)
+
+
+def offered() -> bool:
+    """Whether a producer offers sessions (``TENSORSOCKET_SESSION=0`` turns them off, to run
+    everything over ZeroMQ as a consumer in another network namespace does)."""
+    return os.environ.get(_ENV, "1") != "0"
+
+
+def listen() -> tuple[socket.socket, str]:
+    """A non-blocking listener on a fresh abstract address, and the address as WELCOME says it."""
+    name = f"tensorsocket-{os.getpid()}-{secrets.token_hex(8)}"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind("\0" + name)
+    listener.listen(64)
+    listener.setblocking(False)
+    return listener, name
+
+
+def token() -> str:
+    return secrets.token_hex(16)
+
+
+def connect(name: str) -> Connection:
+    """Connect to a producer's session address; OSError if it cannot be reached from here."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        sock.settimeout(1.0)
+        sock.connect("\0" + name)
+    except OSError:
+        sock.close()
+        raise
+    return Connection(sock)
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The user id of the process at the other end of a Unix socket (as the kernel saw it)."""
+    _, uid, _ = struct.unpack(
+        "3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    )
+    return uid
+
+
+class Connection:
+    """One end of a session: non-blocking, in order. A send the kernel cannot take now waits
+    in :attr:`pending` (in order) until :meth:`flush`; the owner polls for POLLOUT meanwhile.
+    Used by one thread (its side's I/O thread)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, option, _BUFFER)
+            except OSError:
+                pass  # the default size works too
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.pending: collections.deque[bytes] = collections.deque()
+        self.broken = False  # the peer is gone: sends are dropped (nobody reads them)
+
+    def send(self, frame: bytes) -> None:
+        if self.pending:
+            self.pending.append(frame)
+            return
+        try:
+            self.sock.send(frame)
+        except BlockingIOError:
+            self.pending.append(frame)
+        except OSError:
+            self.broken = True
+
+    def flush(self) -> None:
+        """Send what waited, as far as the kernel takes it now."""
+        while self.pending and not self.broken:
+            try:
+                self.sock.send(self.pending[0])
+            except BlockingIOError:
+                return
+            except OSError:
+                self.broken = True
+                return
+            self.pending.popleft()
+        if self.broken:
+            self.pending.clear()
+
+    def recv(self, limit: int) -> bytes | None:
+        """The next message, None if none is waiting; ``b""`` once the peer closed its end (or
+        sent something longer than ``limit``: a peer that breaks the protocol is cut off)."""
+        try:
+            frame, _, flags, _ = self.sock.recvmsg(limit + 1)
+        except BlockingIOError:
+            return None
+        except OSError:
+            return b""
+        if len(frame) > limit or flags & socket.MSG_TRUNC:
+            return b""
+        return frame
+
+    def close(self) -> None:
+        self.sock.close()
