@@ -23,7 +23,7 @@ from ..errors import ProtocolError
 from ..flow import LateJoin, Membership, Tail
 from ..host import boot_id, pid_alive, pid_namespace, same_host
 from ..protocol import Kind
-from .sessions import Sessions
+from .sessions import Sessions, send_zmq
 from .shared import Peer, Shared
 
 log = logging.getLogger("tensorsocket")
@@ -76,6 +76,7 @@ class IoLoop:
             return
         try:
             self.sessions = Sessions()
+            self.shared.direct = self.sessions.send_now
         except OSError as exc:
             socket.close(0)
             self._bound.put(RuntimeError(f"cannot listen for consumers' sessions: {exc}"))
@@ -109,27 +110,30 @@ class IoLoop:
         except Exception:
             log.exception("producer I/O thread on %s failed", endpoint)
         finally:
-            self.sessions.close()
+            with shared.changed:
+                shared.direct = None
+                self.sessions.close()
             socket.close()
             with shared.changed:
                 shared.changed.notify_all()
 
-    def _flush(self, now: float) -> None:
-        shared = self.shared
+    def _flush(self, now: float, switch: tuple[Hashable, Any] | None = None) -> None:
+        """Send what is queued: over sessions under the lock (nothing the caller's thread sends
+        straight may overtake it), then over ZeroMQ. ``switch``: a consumer moving to its session."""
+        shared, zmq_frames = self.shared, []
         with shared.changed:
-            frames = list(shared.outbox)
-            shared.outbox.clear()
-            for cid, _ in frames:
+            shared.io_wanted = False
+            while shared.outbox:
+                cid, frame = shared.outbox.popleft()
                 peer = shared.peers.get(cid)
                 if peer is not None:
                     peer.last_sent = now
-        for cid, frame in frames:
-            try:
                 if not self.sessions.send(self.socket, cid, frame):
-                    self.socket.send_multipart([cid, frame], zmq.NOBLOCK)  # type: ignore[list-item]
-            except zmq.Again:
-                log.warning("dropped a message to %r: its queue is full", cid)
-        self.sessions.close_gone(shared.peers)  # (peers: only this thread changes it)
+                    zmq_frames.append((cid, frame))
+            if switch is not None:
+                zmq_frames = self.sessions.switch(self.socket, switch, zmq_frames)
+            self.sessions.close_gone(shared.peers)
+        send_zmq(self.socket, zmq_frames)
 
     def _session_event(self, fd: int) -> None:
         """Something on a session descriptor: a connection to accept, one saying whose it is
@@ -141,11 +145,12 @@ class IoLoop:
         elif sessions.unbound(fd):
             bound = sessions.bind(fd, self.shared.peers)
             if bound is not None:
-                self._flush(time.monotonic())
-                sessions.switched(self.socket, bound[0])
-                sessions.activate(*bound)
+                self._flush(time.monotonic(), switch=bound)
         elif fd in sessions.cid_of:
-            cid, frames, closed = sessions.read(fd)
+            cid = sessions.cid_of[fd]
+            with self.shared.changed:  # (the caller's thread sends on it too)
+                sessions.by_cid[cid].flush()
+            frames, closed = sessions.read(fd)
             for frame in frames:
                 self._apply(cid, frame)
             if closed:  # (or cut off for breaking the protocol)
@@ -172,12 +177,14 @@ class IoLoop:
             self._bad(cid, str(exc))
 
     def _closed(self, cid: bytes) -> None:
-        """A consumer's session connection closed: it died, or broke the protocol."""
+        """A consumer's session connection closed without a BYE: it died (its pid may still
+        look alive for a moment while it exits: then the liveness checks evict it, as before
+        sessions), or broke the protocol."""
         with self.shared.changed:
+            self.sessions.drop(cid)
             peer = self.shared.peers.get(cid)
-            if peer is not None:
-                dead = peer.local and not pid_alive(peer.pid)
-                self._drop(cid, "died; evicted" if dead else "closed its session connection; evicted")
+            if peer is not None and peer.local and not pid_alive(peer.pid):
+                self._drop(cid, "died; evicted")
             self.shared.changed.notify_all()
 
     def _bad(self, cid: bytes, reason: str) -> None:
@@ -185,7 +192,7 @@ class IoLoop:
         with shared.changed:
             shared.stats["bad_messages"] += 1
             count = shared.stats["bad_messages"]
-            shared.outbox.append((cid, protocol.encode(Kind.ERROR, reason=reason[:4000])))
+            shared.post(cid, protocol.encode(Kind.ERROR, reason=reason[:4000]))
         if count <= 20 or count % 1000 == 0:
             log.warning("bad message from %r: %s (%d so far)", cid, reason, count)
 
@@ -201,11 +208,11 @@ class IoLoop:
         if kind is Kind.HELLO:
             self._hello(cid, msg, now)
         elif kind is Kind.STATUS:
-            shared.outbox.append((cid, protocol.encode(Kind.STATUS, status=shared.status())))
+            shared.post(cid, protocol.encode(Kind.STATUS, status=shared.status()))
         elif peer is None:
             if kind is not Kind.BYE:
                 reason = "unknown consumer: it was evicted or never joined"
-                shared.outbox.append((cid, protocol.encode(Kind.EVICTED, reason=reason)))
+                shared.post(cid, protocol.encode(Kind.EVICTED, reason=reason))
         elif kind is Kind.READY:
             shared.send_all(shared.flow.ready(cid, *self._position(msg["resume"])))
         elif kind is Kind.RELEASE:
@@ -265,7 +272,7 @@ class IoLoop:
             )
         except ValueError as exc:  # a group member that conflicts with the others
             log.warning("refused %s: %s", peer.describe(), exc)
-            shared.outbox.append((cid, protocol.encode(Kind.ERROR, reason=str(exc))))
+            shared.post(cid, protocol.encode(Kind.ERROR, reason=str(exc)))
             return
         shared.peers[cid] = peer
         if shared.first_join is None:
@@ -287,7 +294,7 @@ class IoLoop:
             layouts=shared.layouts.entries,
             session=self.sessions.offer(cid),
         )
-        shared.outbox.append((cid, welcome))
+        shared.post(cid, welcome)
         shared.send_all(actions)
         state = shared.flow.consumers[cid]
         if state.forming:
@@ -323,9 +330,9 @@ class IoLoop:
                 elif now - peer.last_seen > peer.timeout:
                     self._drop(cid, f"was silent for {now - peer.last_seen:.1f} s; evicted")
                     reason = f"evicted after {peer.timeout:g} s without a message"
-                    shared.outbox.append((cid, protocol.encode(Kind.EVICTED, reason=reason)))
+                    shared.post(cid, protocol.encode(Kind.EVICTED, reason=reason))
                 elif now - peer.last_sent > _heartbeat_interval(peer):
-                    shared.outbox.append((cid, protocol.encode(Kind.HEARTBEAT)))
+                    shared.post(cid, protocol.encode(Kind.HEARTBEAT))
             shared.changed.notify_all()
 
 

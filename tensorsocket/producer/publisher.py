@@ -147,7 +147,9 @@ class Publisher:
             stats["loader_wait"] += t1 - t0
             stats["publish_time"] += time.perf_counter() - t1
             stats["slot_wait"] += place_wait
-        shared.wakeup.wake()
+            wake = shared.io_wanted  # (sent straight over sessions: the I/O thread need not wake)
+        if wake:
+            shared.wakeup.wake()
         if self.tracker is not None and where is not None and content is not None:
             # (the loader's state_dict() may take a while: not under the lock)
             self.tracker.published(seq, self.epoch, self.first_seq, self.index - 1, content)

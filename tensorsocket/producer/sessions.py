@@ -71,7 +71,7 @@ class Sessions:
 
     def bind(self, fd: int, peers: dict[Hashable, object]) -> tuple[Hashable, session.Connection] | None:
         """Read a new connection's SESSION message: the consumer it speaks for and the
-        connection, to :meth:`activate` once what was queued for it went; or None (nothing
+        connection, to :meth:`switch` once what was queued for it went; or None (nothing
         yet; or refused: closed)."""
         conn, _ = self._unbound[fd]
         frame = conn.recv(protocol.MAX_REQUEST_BYTES)
@@ -89,26 +89,32 @@ class Sessions:
             return None
         return cid, conn
 
-    def activate(self, cid: Hashable, conn: session.Connection) -> None:
-        """From now on ``cid``'s messages go over ``conn``."""
+    def switch(
+        self,
+        socket: zmq.Socket,
+        bound: tuple[Hashable, session.Connection],
+        queued: list[tuple[Hashable, bytes]],
+    ) -> list[tuple[Hashable, bytes]]:
+        """Move ``bound``'s consumer to its connection (lock held): what is ``queued`` for
+        ZeroMQ goes first, then SWITCHED, the last message it gets there. Nothing is left."""
+        cid, conn = bound
+        send_zmq(socket, [*queued, (cid, _SWITCHED)])
         self.by_cid[cid], self.cid_of[conn.fd] = conn, cid
+        return []
 
-    def read(self, fd: int) -> tuple[Hashable, list[bytes], bool]:
-        """A consumer's connection: send what waited, and take its messages (at most 1000, so
-        ticks still run under a flood); True if it closed (then it is dropped here)."""
-        cid = self.cid_of[fd]
-        conn = self.by_cid[cid]
-        conn.flush()
+    def read(self, fd: int) -> tuple[list[bytes], bool]:
+        """A consumer's messages (at most 1000, so ticks still run under a flood), and True
+        if its connection closed (:meth:`drop` it then, under the lock)."""
+        conn = self.by_cid[self.cid_of[fd]]
         frames: list[bytes] = []
         for _ in range(1000):
             frame = conn.recv(protocol.MAX_REQUEST_BYTES)
             if frame is None:
                 break
             if not frame:
-                self._close(cid, conn)
-                return cid, frames, True
+                return frames, True
             frames.append(frame)
-        return cid, frames, False
+        return frames, False
 
     def expire(self, now: float) -> None:
         """Close connections that never said whose they are, and tokens never used."""
@@ -138,9 +144,14 @@ class Sessions:
         conn.send(frame)
         return True
 
-    def switched(self, socket: zmq.Socket, cid: Hashable) -> None:
-        """The last message ``cid`` gets over ZeroMQ (everything queued before it went first)."""
-        socket.send_multipart([cid, _SWITCHED], zmq.NOBLOCK)  # type: ignore[list-item]
+    def send_now(self, cid: Hashable, frame: bytes) -> bool:
+        """From any thread, under the producer's lock: send ``frame`` over ``cid``'s session
+        if it has one and the frame fits a datagram (else False: the I/O thread sends it)."""
+        conn = self.by_cid.get(cid)
+        if conn is None or len(frame) > session.MAX_DATAGRAM:
+            return False
+        conn.send(frame)
+        return True
 
     def close_gone(self, peers: dict[Hashable, object]) -> None:
         """Close the connections of consumers that left, once what was sent to them went."""
@@ -167,3 +178,12 @@ class Sessions:
         self._unbound.clear()
         if self.listener is not None:
             self.listener.close()
+
+
+def send_zmq(socket: zmq.Socket, frames: list[tuple[Hashable, bytes]]) -> None:
+    """Send ``(cid, frame)`` pairs over the ROUTER socket (its I/O thread only)."""
+    for cid, frame in frames:
+        try:
+            socket.send_multipart([cid, frame], zmq.NOBLOCK)  # type: ignore[list-item]
+        except zmq.Again:
+            log.warning("dropped a message to %r: its queue is full", cid)

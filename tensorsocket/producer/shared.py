@@ -5,7 +5,10 @@ is read and written under ``changed`` (a Condition over one lock), except where 
 
 * ``flow``: both threads (publish / release, join / leave).
 * ``peers``: the I/O thread adds and drops them; the caller's thread reads them.
-* ``outbox``: both append frames in the order the flow decided them; the I/O thread drains it.
+* ``outbox``: both queue frames (``post``) in the order the flow decided them; the I/O thread
+  drains it. A frame for a consumer on a session goes straight to its connection instead
+  (``direct``, set by the I/O thread) while nothing is queued before it: the caller's thread
+  then publishes without waking the I/O thread (``io_wanted`` says when it must).
 * ``store``: the caller's thread prepares and writes places *outside* the lock (the store's
   own rule: only the caller's thread writes) and installs them under it; the I/O thread reads
   its descriptors and admits consumers under it; close() closes it under it.
@@ -21,7 +24,7 @@ import collections
 import os
 import threading
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +83,8 @@ class Shared:
         self.store = store
         self.peers: dict[Hashable, Peer] = {}
         self.outbox: collections.deque[tuple[Hashable, bytes]] = collections.deque()
+        self.direct: Callable[[Hashable, bytes], bool] | None = None  # (cid, frame): sent on its session?
+        self.io_wanted = False  # something was queued since the I/O thread last drained the outbox
         self.layouts = LayoutTable()
         self.changed = threading.Condition()
         self.wakeup = Wakeup()
@@ -100,16 +105,27 @@ class Shared:
         }
         self.born = time.monotonic()
 
+    def post(self, cid: Hashable, frame: bytes) -> None:
+        """Send ``frame`` to ``cid`` over its session, or queue it for the I/O thread when it
+        has none or anything is queued before it (lock held: the order is the lock's)."""
+        if self.outbox or self.direct is None or not self.direct(cid, frame):
+            self.outbox.append((cid, frame))
+            self.io_wanted = True
+            return
+        peer = self.peers.get(cid)
+        if peer is not None:
+            peer.last_sent = time.monotonic()
+
     def send_all(self, actions: list[Action]) -> None:
-        """Queue what the flow decided (lock held)."""
+        """Send or queue what the flow decided (lock held)."""
         for action in actions:
             if isinstance(action, Deliver):
-                self.outbox.append((action.consumer, action.entry.payload))
+                self.post(action.consumer, action.entry.payload)
             elif isinstance(action, Skipped):
-                self.outbox.append((action.consumer, protocol.encode(Kind.SKIPPED, count=action.count)))
+                self.post(action.consumer, protocol.encode(Kind.SKIPPED, count=action.count))
             else:
                 assert isinstance(action, GroupBroken)
-                self.outbox.append((action.consumer, self._group_broken(action)))
+                self.post(action.consumer, self._group_broken(action))
 
     def _group_broken(self, action: GroupBroken) -> bytes:
         who = self.departed.get(action.lost, "left")
@@ -124,9 +140,9 @@ class Shared:
     def broadcast(self, frame: bytes, transport: str | None = None) -> None:
         """Queue ``frame`` for every joined consumer, or those reading through ``transport``
         (lock held)."""
-        self.outbox.extend(
-            (cid, frame) for cid, peer in self.peers.items() if transport in (None, peer.transport)
-        )
+        for cid, peer in list(self.peers.items()):
+            if transport in (None, peer.transport):
+                self.post(cid, frame)
 
     def fingerprints_wanted(self) -> bool:
         """Does a joined consumer check fingerprints (lock held)? A host consumer that maps
