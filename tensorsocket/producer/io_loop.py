@@ -172,12 +172,13 @@ class IoLoop:
             self._bad(cid, str(exc))
 
     def _closed(self, cid: bytes) -> None:
-        """A consumer's session connection closed: it died, or broke the protocol."""
+        """A consumer's session connection closed without a BYE: it died (its pid may still
+        look alive for a moment while it exits: then the liveness checks evict it, as before
+        sessions), or broke the protocol."""
         with self.shared.changed:
             peer = self.shared.peers.get(cid)
-            if peer is not None:
-                dead = peer.local and not pid_alive(peer.pid)
-                self._drop(cid, "died; evicted" if dead else "closed its session connection; evicted")
+            if peer is not None and peer.local and not pid_alive(peer.pid):
+                self._drop(cid, "died; evicted")
             self.shared.changed.notify_all()
 
     def _bad(self, cid: bytes, reason: str) -> None:
