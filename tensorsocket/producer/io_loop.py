@@ -177,9 +177,8 @@ class IoLoop:
             self._bad(cid, str(exc))
 
     def _closed(self, cid: bytes) -> None:
-        """A consumer's session connection closed without a BYE: it died (its pid may still
-        look alive for a moment while it exits: then the liveness checks evict it, as before
-        sessions), or broke the protocol."""
+        """A consumer's session closed without a BYE: it died (if its pid still looks alive
+        while it exits, the liveness checks evict it), or broke the protocol."""
         with self.shared.changed:
             self.sessions.drop(cid)
             peer = self.shared.peers.get(cid)
