@@ -80,7 +80,8 @@ def peer_uid(sock: socket.socket) -> int:
 class Connection:
     """One end of a session: non-blocking, in order. A send the kernel cannot take now waits
     in :attr:`pending` (in order) until :meth:`flush`; the owner polls for POLLOUT meanwhile.
-    Used by one thread (its side's I/O thread)."""
+    Not locked itself: a consumer's I/O thread alone uses one; on the producer both threads
+    send, always under the producer's lock, and only its I/O thread reads and closes."""
 
     def __init__(self, sock: socket.socket) -> None:
         sock.setblocking(False)

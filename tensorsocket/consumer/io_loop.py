@@ -83,7 +83,7 @@ class ConsumerIo:
         self.endpoint = settings.endpoint
         self.poller = zmq.Poller()
         self.poller.register(shared.wakeup.fd, zmq.POLLIN)
-        self.link = Link(socket, self.poller, settings.timeout)
+        self.link = Link(socket, self.poller, settings.timeout, shared.stop)
         self._welcomed(welcome, reader, recipes)
         self.ready_sent = False
         # For a rejoin: the stream and the last entry received (its seq and where the next
@@ -130,10 +130,10 @@ class ConsumerIo:
             clock.last_seen = now
             if not self._receive():
                 return False
-            if self.link.closed:  # the producer died, or cut us off without a word
-                dead = not (self.producer_local and pid_alive(self.producer_pid))
-                what = f"(pid {self.producer_pid}) died" if dead else "closed this consumer's connection"
-                return self._lost(f"the producer at {self.endpoint} {what}", clock)
+            # Closed under us: it died (while its pid still looks alive as it exits, or it cut
+            # us off without a word, the pid and silence checks below decide, as before sessions).
+            if self.link.closed and not shared.stream_over and not pid_alive(self.producer_pid):
+                return self._lost(f"the producer at {self.endpoint} (pid {self.producer_pid}) died", clock)
         if shared.wakeup.fd in events:
             shared.wakeup.drain()
         if self.send_releases():
@@ -183,8 +183,7 @@ class ConsumerIo:
             self.shared.fail(ProducerLost(why))
             return False
         log.warning("%s; waiting up to %g s for a producer to continue the stream", why, wait)
-        self.link.close(linger_ms=0)
-        self.link = Link(handshake.connect(self.settings), self.poller, self.settings.timeout)
+        self.link = self.link.renewed(handshake.connect(self.settings))
         at = None if self.next_at is None else [self.stream, *self.next_at, True]
         try:
             welcome = handshake.join(self.link.socket, self.settings, at, wait, self.shared)

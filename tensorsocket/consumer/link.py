@@ -6,12 +6,13 @@ connection closed."""
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from typing import Any
 
 import zmq
 
 from .. import protocol, session
-from ..errors import ProtocolError
 from ..protocol import Kind
 
 log = logging.getLogger("tensorsocket")
@@ -21,9 +22,11 @@ _LARGE = protocol.encode(Kind.LARGE)
 
 
 class Link:
-    def __init__(self, socket: zmq.Socket, poller: zmq.Poller, large_within: float) -> None:
-        self.socket, self.poller = socket, poller
-        self.large_within_ms = int(large_within * 1000)  # how long a LARGE's frame may lag
+    def __init__(
+        self, socket: zmq.Socket, poller: zmq.Poller, large_within: float, stop: threading.Event
+    ) -> None:
+        self.socket, self.poller, self.stop = socket, poller, stop
+        self.large_within = large_within  # seconds a LARGE's frame may lag behind it
         poller.register(socket, zmq.POLLIN)
         self.conn: session.Connection | None = None  # connected, SESSION sent
         self.switched = False  # SWITCHED came: everything goes over ``conn`` now
@@ -70,11 +73,12 @@ class Link:
         assert self.conn is not None
         frame = self.conn.recv(protocol.MAX_REPLY_BYTES)
         if frame == _LARGE:  # too large for a datagram: its bytes came over ZeroMQ
-            if not self.socket.poll(self.large_within_ms):
-                raise ProtocolError(
-                    f"a large message announced on the session did not come within {self.large_within_ms} ms"
-                )
-            return self.socket.recv()
+            deadline = time.monotonic() + self.large_within
+            while not self.stop.is_set() and time.monotonic() < deadline:
+                if self.socket.poll(50):
+                    return self.socket.recv()
+            log.warning("a large message announced on the session never came: the producer is gone or broken")
+            frame = b""  # as if the session closed: the producer is lost
         if frame == b"":
             self.closed = True
             self.poller.unregister(self.conn.fd)
@@ -101,7 +105,15 @@ class Link:
             self._out = out
             self.poller.register(self.conn.fd, zmq.POLLIN | (zmq.POLLOUT if out else 0))
 
+    def renewed(self, socket: zmq.Socket) -> Link:
+        """This link closed, and a new one over ``socket`` (joining a successor)."""
+        self.close(linger_ms=0)
+        return Link(socket, self.poller, self.large_within, self.stop)
+
     def close(self, linger_ms: int) -> None:
+        """Close the socket and the session (again: nothing)."""
+        if self.socket.closed:
+            return
         if not self.switched:
             self.poller.unregister(self.socket)
         elif not self.closed:

@@ -74,13 +74,8 @@ class IoLoop:
             socket.close(0)
             self._bound.put(RuntimeError(f"cannot bind {endpoint}: {exc}"))
             return
-        try:
-            self.sessions = Sessions()
-            self.shared.direct = self.sessions.send_now
-        except OSError as exc:
-            socket.close(0)
-            self._bound.put(RuntimeError(f"cannot listen for consumers' sessions: {exc}"))
-            return
+        self.sessions = Sessions()
+        self.shared.direct = self.sessions.send_now
         self._bound.put(endpoint)
         self.socket = socket
         self.endpoint = endpoint

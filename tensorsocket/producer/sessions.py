@@ -26,7 +26,12 @@ _SWITCHED = protocol.encode(Kind.SWITCHED)
 
 class Sessions:
     def __init__(self) -> None:
-        self.listener, self.address = session.listen() if session.offered() else (None, None)
+        self.listener, self.address = None, None
+        if session.offered():
+            try:
+                self.listener, self.address = session.listen()
+            except OSError as exc:
+                log.warning("no sessions (%s): every consumer's messages go over ZeroMQ", exc)
         self._tokens: dict[str, Hashable] = {}  # offered in a WELCOME, not yet used
         self._unbound: dict[int, tuple[session.Connection, float]] = {}  # by fd: and its deadline
         self._accept_from = 0.0  # (monotonic) when the listener is polled again after a failure
@@ -63,7 +68,11 @@ class Sessions:
                 log.warning("could not accept a consumer's session connection: %s", exc)
                 self._accept_from = time.monotonic() + _ACCEPT_PAUSE
                 return
-            if session.peer_uid(sock) != os.getuid() or len(self._unbound) >= _MAX_UNBOUND:
+            try:
+                mine = session.peer_uid(sock) == os.getuid()
+            except OSError:
+                mine = False
+            if not mine or len(self._unbound) >= _MAX_UNBOUND:
                 sock.close()
                 continue
             conn = session.Connection(sock)
@@ -117,7 +126,7 @@ class Sessions:
         return frames, False
 
     def expire(self, now: float) -> None:
-        """Close connections that never said whose they are, and tokens never used."""
+        """Close connections that never said whose they are (unused tokens go with their consumer: :meth:`forget`)."""
         for fd, (conn, deadline) in list(self._unbound.items()):
             if now > deadline:
                 del self._unbound[fd]
@@ -144,19 +153,21 @@ class Sessions:
         conn.send(frame)
         return True
 
-    def send_now(self, cid: Hashable, frame: bytes) -> bool:
+    def send_now(self, cid: Hashable, frame: bytes) -> bool | None:
         """From any thread, under the producer's lock: send ``frame`` over ``cid``'s session
-        if it has one and the frame fits a datagram (else False: the I/O thread sends it)."""
+        if it has one and the frame fits a datagram; None if not (the I/O thread sends it),
+        True if it had to wait for room (the I/O thread polls for it), False if sent."""
         conn = self.by_cid.get(cid)
         if conn is None or len(frame) > session.MAX_DATAGRAM:
-            return False
+            return None
         conn.send(frame)
-        return True
+        return bool(conn.pending)
 
     def close_gone(self, peers: dict[Hashable, object]) -> None:
-        """Close the connections of consumers that left, once what was sent to them went."""
+        """Close the connections of consumers that left, once what was sent to them went, and
+        any a send failed on (it lost a message: the consumer must hear at once)."""
         for cid, conn in list(self.by_cid.items()):
-            if cid not in peers and (not conn.pending or conn.broken):
+            if conn.broken or (cid not in peers and not conn.pending):
                 self._close(cid, conn)
 
     def drop(self, cid: Hashable) -> None:

@@ -83,7 +83,8 @@ class Shared:
         self.store = store
         self.peers: dict[Hashable, Peer] = {}
         self.outbox: collections.deque[tuple[Hashable, bytes]] = collections.deque()
-        self.direct: Callable[[Hashable, bytes], bool] | None = None  # (cid, frame): sent on its session?
+        # (cid, frame): sent over its session? None: no (queue it); True: yes, but it waits for room
+        self.direct: Callable[[Hashable, bytes], bool | None] | None = None
         self.io_wanted = False  # something was queued since the I/O thread last drained the outbox
         self.layouts = LayoutTable()
         self.changed = threading.Condition()
@@ -108,10 +109,12 @@ class Shared:
     def post(self, cid: Hashable, frame: bytes) -> None:
         """Send ``frame`` to ``cid`` over its session, or queue it for the I/O thread when it
         has none or anything is queued before it (lock held: the order is the lock's)."""
-        if self.outbox or self.direct is None or not self.direct(cid, frame):
+        waits = None if self.outbox or self.direct is None else self.direct(cid, frame)
+        if waits is None:
             self.outbox.append((cid, frame))
             self.io_wanted = True
             return
+        self.io_wanted |= waits  # it waits for room in the kernel: the I/O thread polls for it
         peer = self.peers.get(cid)
         if peer is not None:
             peer.last_sent = time.monotonic()
