@@ -53,14 +53,18 @@ def _wait_serving(proc: subprocess.Popen, log: Path, lives: int) -> None:
     wait_until(serving, 60, lambda: f"the producer to serve:\n{log.read_text()[-3000:]}")
 
 
-def _supervise(name: str, pipeline: str, log: Path, kills: int, seed: int) -> list[int]:
+def _supervise(name: str, pipeline: str, log: Path, kills: int, seed: int, consumers: int) -> list[int]:
     """Start the producer, SIGKILL it at a random moment ``kills`` times (restarting it each
-    time, as a supervisor does), then let the last one finish; the producers' pids."""
+    time, as a supervisor does), then let the last one finish; the producers' pids. The first
+    kill waits until all ``consumers`` joined: one still joining then (a slow start on a
+    loaded machine) has no stream yet to rejoin, and its constructor fails after ``timeout``."""
     rng, pids = random.Random(seed), []
     for life in range(1, kills + 2):
         proc = _serve(name, pipeline, log)
         pids.append(proc.pid)
         _wait_serving(proc, log, life)
+        if life == 1:
+            wait_until(lambda: log.read_text().count(" joined (") >= consumers, 60, "every consumer to join")
         if life <= kills:
             time.sleep(rng.uniform(0.3, 1.0))  # a random batch position (a batch takes ~40 ms)
             proc.send_signal(signal.SIGKILL)
@@ -100,7 +104,7 @@ def test_a_producer_killed_five_times_under_a_supervisor_loses_nothing(name, tmp
     log = tmp_path / "producer.log"
     seed = random.randrange(1 << 16)
     print(f"kill times seeded with {seed}")  # shown with a failure, to run it again
-    pids = _supervise(name, pipeline, log, kills=5, seed=seed)
+    pids = _supervise(name, pipeline, log, kills=5, seed=seed, consumers=len(procs))
     results = [out.get(timeout=60) for _ in procs]
     for p in procs:
         p.join(timeout=30)
