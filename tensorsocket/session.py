@@ -128,6 +128,13 @@ class Connection:
             frame, _, flags, _ = self.sock.recvmsg(limit + 1)
         except BlockingIOError:
             return None
+        except ConnectionResetError:
+            # The peer closed with our messages unread, and the kernel says so before what it
+            # sent last (a consumer's BYE): the error is reported once, then the rest comes.
+            try:
+                frame, _, flags, _ = self.sock.recvmsg(limit + 1)
+            except OSError:
+                return b""
         except OSError:
             return b""
         if len(frame) > limit or flags & socket.MSG_TRUNC:

@@ -164,10 +164,11 @@ class Sessions:
         return bool(conn.pending)
 
     def close_gone(self, peers: dict[Hashable, object]) -> None:
-        """Close the connections of consumers that left, once what was sent to them went, and
-        any a send failed on (it lost a message: the consumer must hear at once)."""
+        """Close the connections of consumers that left, once what was sent to them went. (A
+        connection a send failed on stays until its reader sees the end: what the consumer
+        sent before closing, its BYE, is still queued there.)"""
         for cid, conn in list(self.by_cid.items()):
-            if conn.broken or (cid not in peers and not conn.pending):
+            if cid not in peers and (conn.broken or not conn.pending):
                 self._close(cid, conn)
 
     def drop(self, cid: Hashable) -> None:
