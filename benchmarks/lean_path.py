@@ -338,10 +338,9 @@ def main(argv: list[str] | None = None) -> None:
     for consumers in counts:
         row: dict[str, Any] = {"consumers": consumers, **protocol_cost.medians(runs, consumers, VARIANTS)}
         for variant in VARIANTS[1:]:
-            row[f"{variant}_over_tensorsocket"] = ratios = {
-                k: round(row[variant][k] / row["tensorsocket"][k], 2)
-                for k in ("consumer_cpu_us_per_batch", "producer_cpu_us_per_batch", "batches_per_s")
-            }
+            row[f"{variant}_over_tensorsocket"] = ratios = protocol_cost.ratios(
+                row[variant], row["tensorsocket"]
+            )
             print(f"x{consumers}: {variant} / tensorsocket: {ratios}")
         summary.append(row)
     result = {

@@ -132,6 +132,14 @@ def medians(runs: list[dict[str, Any]], consumers: int, variants: Any) -> dict[s
     return out
 
 
+def ratios(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    """``a``'s medians over ``b``'s, figure by figure."""
+    return {
+        k: round(a[k] / b[k], 2)
+        for k in ("consumer_cpu_us_per_batch", "producer_cpu_us_per_batch", "batches_per_s")
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batches", type=int, default=5000)
@@ -155,10 +163,7 @@ def main(argv: list[str] | None = None) -> None:
             row["check_writes"]["consumer_cpu_us_per_batch"] / row["read-only"]["consumer_cpu_us_per_batch"],
             2,
         )
-        row["read_only_over_zeromq"] = {  # what sessions change
-            k: round(row["read-only"][k] / row["zeromq"][k], 2)
-            for k in ("consumer_cpu_us_per_batch", "producer_cpu_us_per_batch", "batches_per_s")
-        }
+        row["read_only_over_zeromq"] = ratios(row["read-only"], row["zeromq"])  # what sessions change
         print(f"x{consumers}: read-only (sessions) / zeromq: {row['read_only_over_zeromq']}")
         summary.append(row)
     result = {
