@@ -32,9 +32,15 @@ import secrets
 import socket
 import struct
 
+from . import protocol
+from .protocol import Kind
+
 #: Largest message sent as one datagram (a consumer's are all smaller: protocol.MAX_REQUEST_BYTES).
 MAX_DATAGRAM = 64 * 1024
 _BUFFER = 1 << 20  # socket buffer asked for (the kernel caps it at net.core.[rw]mem_max)
+#: The two markers, as both sides send and compare them (byte for byte: they carry no fields).
+SWITCHED = protocol.encode(Kind.SWITCHED)
+LARGE = protocol.encode(Kind.LARGE)
 _ENV = "TENSORSOCKET_SESSION"  # "0": the producer offers no session (everything over ZeroMQ)
 
 

@@ -17,9 +17,6 @@ from ..protocol import Kind
 
 log = logging.getLogger("tensorsocket")
 
-_SWITCHED = protocol.encode(Kind.SWITCHED)
-_LARGE = protocol.encode(Kind.LARGE)
-
 
 class Link:
     def __init__(
@@ -65,14 +62,14 @@ class Link:
                 frame = self.socket.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return None
-            if frame != _SWITCHED or self.conn is None:
+            if frame != session.SWITCHED or self.conn is None:
                 return frame
             self.switched = True  # ZeroMQ said all it will: the rest comes over the connection
             self.poller.unregister(self.socket)
             self.poller.register(self.conn.fd, zmq.POLLIN)
         assert self.conn is not None
         frame = self.conn.recv(protocol.MAX_REPLY_BYTES)
-        if frame == _LARGE:  # too large for a datagram: its bytes came over ZeroMQ
+        if frame == session.LARGE:  # too large for a datagram: its bytes came over ZeroMQ
             deadline = time.monotonic() + self.large_within
             while not self.stop.is_set() and time.monotonic() < deadline:
                 if self.socket.poll(50):

@@ -20,8 +20,6 @@ log = logging.getLogger("tensorsocket")
 _BIND_WITHIN = 10.0  # seconds a connection may take to say whose it is
 _MAX_UNBOUND = 64  # connections at once that have not said whose they are; more are closed
 _ACCEPT_PAUSE = 1.0  # seconds the listener is not polled after accept() failed (out of descriptors)
-_LARGE = protocol.encode(Kind.LARGE)
-_SWITCHED = protocol.encode(Kind.SWITCHED)
 
 
 class Sessions:
@@ -107,7 +105,7 @@ class Sessions:
         """Move ``bound``'s consumer to its connection (lock held): what is ``queued`` for
         ZeroMQ goes first, then SWITCHED, the last message it gets there. Nothing is left."""
         cid, conn = bound
-        send_zmq(socket, [*queued, (cid, _SWITCHED)])
+        send_zmq(socket, [*queued, (cid, session.SWITCHED)])
         self.by_cid[cid], self.cid_of[conn.fd] = conn, cid
         return []
 
@@ -149,7 +147,7 @@ class Sessions:
             return False
         if len(frame) > session.MAX_DATAGRAM:
             socket.send_multipart([cid, frame], zmq.NOBLOCK)  # type: ignore[list-item]
-            frame = _LARGE
+            frame = session.LARGE
         conn.send(frame)
         return True
 
