@@ -32,11 +32,18 @@ import secrets
 import socket
 import struct
 
+import zmq
+
 from . import protocol
 from .protocol import Kind
 
 #: Largest message sent as one datagram (a consumer's are all smaller: protocol.MAX_REQUEST_BYTES).
 MAX_DATAGRAM = 64 * 1024
+#: A connection's poll events for a ``zmq.Poller``, as plain ints: ``zmq.POLLIN`` is an IntFlag,
+#: whose ``|`` and ``&`` run Python code (a sixth of the producer's I/O thread, cProfile).
+IN, OUT = int(zmq.POLLIN), int(zmq.POLLOUT)
+IN_OUT, IN_ERR = IN | OUT, IN | int(zmq.POLLERR)
+_TRUNC = int(socket.MSG_TRUNC)  # (an IntFlag too)
 _BUFFER = 1 << 20  # socket buffer asked for (the kernel caps it at net.core.[rw]mem_max)
 #: The two markers, as both sides send and compare them (byte for byte: they carry no fields).
 SWITCHED = protocol.encode(Kind.SWITCHED)
@@ -143,7 +150,7 @@ class Connection:
                 return b""
         except OSError:
             return b""
-        if len(frame) > limit or flags & socket.MSG_TRUNC:
+        if len(frame) > limit or flags & _TRUNC:
             return b""
         return frame
 

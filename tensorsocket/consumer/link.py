@@ -48,10 +48,10 @@ class Link:
         if self.switched:
             assert self.conn is not None
             ready = events.get(self.conn.fd, 0)
-            if ready & zmq.POLLOUT:
+            if ready & session.OUT:
                 self.conn.flush()
                 self._watch_out()
-            return bool(ready & (zmq.POLLIN | zmq.POLLERR))
+            return bool(ready & session.IN_ERR)
         return self.socket in events
 
     def recv(self) -> bytes | None:
@@ -100,7 +100,7 @@ class Link:
         out = bool(self.conn.pending)
         if out != self._out and not self.closed:
             self._out = out
-            self.poller.register(self.conn.fd, zmq.POLLIN | (zmq.POLLOUT if out else 0))
+            self.poller.register(self.conn.fd, session.IN_OUT if out else session.IN)
 
     def renewed(self, socket: zmq.Socket) -> Link:
         """This link closed, and a new one over ``socket`` (joining a successor)."""

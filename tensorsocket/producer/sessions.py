@@ -47,10 +47,10 @@ class Sessions:
     def fds(self) -> dict[int, int]:
         """Every descriptor to poll, with its events (POLLOUT where sends wait)."""
         listening = self.listener is not None and time.monotonic() >= self._accept_from
-        out = {self.listener.fileno(): zmq.POLLIN} if listening else {}  # type: ignore[union-attr]
-        out.update((fd, zmq.POLLIN) for fd in self._unbound)
+        out = {self.listener.fileno(): session.IN} if listening else {}  # type: ignore[union-attr]
+        out.update((fd, session.IN) for fd in self._unbound)
         for conn in self.by_cid.values():
-            out[conn.fd] = zmq.POLLIN | (zmq.POLLOUT if conn.pending else 0)
+            out[conn.fd] = session.IN_OUT if conn.pending else session.IN
         return out
 
     def accept(self) -> None:
