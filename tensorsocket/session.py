@@ -40,7 +40,8 @@ from .protocol import Kind
 #: Largest message sent as one datagram (a consumer's are all smaller: protocol.MAX_REQUEST_BYTES).
 MAX_DATAGRAM = 64 * 1024
 #: A connection's poll events for a ``zmq.Poller``, as plain ints: ``zmq.POLLIN`` is an IntFlag,
-#: whose ``|`` and ``&`` run Python code (a sixth of the producer's I/O thread, cProfile).
+#: whose ``|`` and ``&`` run Python code (16,800 calls per 5,000 batches in the producer's I/O
+#: thread, cProfile; as ints, 0.96x the CPU per batch of all processes together).
 IN, OUT = int(zmq.POLLIN), int(zmq.POLLOUT)
 IN_OUT, IN_ERR = IN | OUT, IN | int(zmq.POLLERR)
 _TRUNC = int(socket.MSG_TRUNC)  # (an IntFlag too)
@@ -94,8 +95,9 @@ def peer_uid(sock: socket.socket) -> int:
 class Connection:
     """One end of a session: non-blocking, in order. A send the kernel cannot take now waits
     in :attr:`pending` (in order) until :meth:`flush`; the owner polls for POLLOUT meanwhile.
-    Not locked itself: a consumer's I/O thread alone uses one; on the producer both threads
-    send, always under the producer's lock, and only its I/O thread reads and closes."""
+    Not locked itself: on either side more than one thread sends, always under a lock (the
+    producer's, or the consumer's :class:`~tensorsocket.consumer.link.Link`'s), and only the
+    I/O thread reads and closes."""
 
     def __init__(self, sock: socket.socket) -> None:
         sock.setblocking(False)

@@ -4,7 +4,9 @@ one writer (or a thread-safe container), as listed here.
 * ``queue`` (SimpleQueue): the I/O thread puts built batches, epoch and stream markers and
   errors, in the order they arrived; the caller's thread takes them.
 * ``released`` (deque): release callbacks append (any thread: a batch's last view can die
-  anywhere, and a GPU reader calls back from its waiter thread); the I/O thread pops.
+  anywhere, and a GPU reader calls back from its waiter thread) what ``release_now`` did not
+  send straight over the session; the I/O thread pops. ``release_now`` is set by the I/O
+  thread (for its link and reader) and called by release callbacks.
 * ``live`` (set of seqs handed out and not yet dropped): the caller's thread adds at
   hand-out; finalizers discard, in any thread (set.add / discard / len are atomic under the GIL).
 * ``violations`` (deque): the I/O thread appends a message when a batch changed while held;
@@ -25,6 +27,7 @@ import collections
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,6 +77,8 @@ class Shared:
     waiting: float = 0.0
     wait_started: float | None = None  # inside next() since then: a wait in progress counts
     ready: list[Any] | None = None
+    # set by the I/O thread: send a release straight over the session (see delivery.releaser)
+    release_now: Callable[[tuple[Any, ...]], bool] | None = None
     missed: int = 0  # batches lost at rejoins (the I/O thread counts; Consumer.missed adds them)
 
     def __post_init__(self) -> None:
