@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -205,24 +206,50 @@ def test_close_with_a_stalled_consumer_gives_up_after_linger(name, caplog):
         del stalled
 
 
+def test_a_consumer_dropped_mid_epoch_is_collected_with_the_batches_it_had_queued(name):
+    """Dropped without close() while its I/O thread has batches queued: the Consumer, its
+    shared record and those batches go (nothing a batch's release finalizer holds keeps them)."""
+    producer = Producer(NestedLoader(40), name=name, slots=4, replay=0)
+    server = serving(producer)
+    try:
+        consumer = Consumer(name=name, timeout=10)
+        it = iter(consumer)
+        next(it)  # (the first batch, dropped at once)
+        gone = weakref.ref(consumer._shared)
+        wait_until(lambda: gone().queue.qsize() >= 2, 10, "batches queued")  # type: ignore[union-attr]
+        del it, consumer
+
+        def collected() -> bool:
+            gc.collect()
+            return gone() is None
+
+        wait_until(collected, 10, "the dropped consumer's shared record to be collected")
+    finally:
+        producer.close()
+        server.join(timeout=10)
+
+
 def test_a_consumer_dropped_without_close_leaves_instead_of_stalling_everyone(name):
-    """A Consumer per epoch, never closed: each is collected when dropped, its thread says
-    BYE, and the next one replays the epoch from its first batch."""
-    producer = Producer(NestedLoader(6), name=name, slots=4, replay=0)
+    """A Consumer dropped mid-epoch, never closed, while batches wait in its queue: it is
+    collected, its thread says BYE, and the consumer beside it gets every epoch (the places
+    the dropped one held would otherwise fill the window and stall everyone)."""
+    producer = Producer(NestedLoader(6), name=name, slots=4, replay=0, min_consumers=2)
     server = serving(producer, epochs=3)
     epochs: list[list[int]] = []
 
-    def body() -> None:
-        for _ in range(3):
-            got = []
-            for b in Consumer(name=name, timeout=5):
-                got.append(b[1]["meta"][2])
-                del b
-            epochs.append(got)
+    def steady() -> None:
+        with Consumer(name=name, timeout=10) as consumer:
+            for _ in range(3):
+                epochs.append([b[1]["meta"][2] for b in consumer])
 
-    trainer = threading.Thread(target=body, daemon=True)
+    def dropped() -> None:
+        it = iter(Consumer(name=name, timeout=10))
+        next(it)  # one batch, then the consumer is dropped mid-epoch
+
+    trainer = threading.Thread(target=steady, daemon=True)
     try:
         trainer.start()
+        dropped()
         trainer.join(timeout=40)
         assert epochs == [list(range(6))] * 3
         server.join(timeout=10)

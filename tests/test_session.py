@@ -283,14 +283,14 @@ def test_a_dropped_batch_is_released_straight_over_the_session(name):
         with Consumer(name=name, timeout=30) as consumer:
             shared = consumer._shared
             straight: list[bool] = []
-            release_now = shared.release_now
+            release_now = shared.straight.send
             assert release_now is not None
 
             def counted(item: Any) -> bool:
                 straight.append(release_now(item))
                 return straight[-1]
 
-            shared.release_now = counted
+            shared.straight.send = counted
             exact = []
             for batch in consumer:
                 exact.append(same(batch, expected_batch(len(exact), batches)))
@@ -317,20 +317,24 @@ def test_send_now_never_waits_and_sends_nothing_after_the_bye():
         assert far.recv(1 << 16) == b"one"
         with link.lock:  # the I/O thread is sending
             assert link.send_now(b"two") is None
-        waits = [link.send_now(b"x" * 4096) for _ in range(20000)]
+        frames = [i.to_bytes(4, "big") * 1024 for i in range(20000)]
+        waits = [link.send_now(frame) for frame in frames]
         assert True in waits, "the kernel took 80 MB without a reader: the test proves nothing"
-        assert link.send_now(b"after") is None  # sends wait: it would overtake them
+        sent = frames[: waits.index(True) + 1]  # the first that waited is the last one sent
+        assert waits[len(sent) :] == [None] * (len(frames) - len(sent))  # sends wait: never overtaken
         link.watch_out()
         assert dict(link.poller.poll(0)).get(near.fileno(), 0) == 0  # no room yet
-        while True:  # the reader catches up: readable() flushes what waited
+        got, deadline = [], time.monotonic() + 60
+        while len(got) < len(sent) and time.monotonic() < deadline:  # the reader catches up
             try:
-                far.recv(1 << 16, socket.MSG_DONTWAIT)
+                got.append(far.recv(1 << 16, socket.MSG_DONTWAIT))
             except BlockingIOError:
-                link.readable(dict(link.poller.poll(100)))
-                if not link.conn.pending:
-                    break
+                link.readable(dict(link.poller.poll(100)))  # room again: what waited is flushed
+        assert got == sent and not link.conn.pending
         link.stop_direct()
         assert link.send_now(b"after the bye") is None
+        with pytest.raises(BlockingIOError):
+            far.recv(1 << 16, socket.MSG_DONTWAIT)  # nothing came after the BYE
     finally:
         link.close(linger_ms=0)
         far.close()

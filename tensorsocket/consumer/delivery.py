@@ -11,6 +11,7 @@ fingerprint first where the consumer checks writes. Only then may the producer r
 
 from __future__ import annotations
 
+import collections
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -21,7 +22,7 @@ from ..protocol import Kind
 from ..transport import Reader
 from ..wakeup import Wakeup
 from .link import Link
-from .shared import Shared
+from .shared import Shared, Straight
 
 
 def build(
@@ -33,22 +34,39 @@ def build(
     place, seq, nbytes = msg["place"], msg["seq"], recipe.nbytes  # (the reader checks it fits the place)
     lease = reader.lease(place, nbytes)
     item = (seq, lease.token, nbytes, msg["fingerprint"], msg["epoch"], msg["index"], reader)
-    release = weakref.finalize(lease.owner, _release_later, shared, reader, item)
+    release = weakref.finalize(
+        lease.owner,
+        _release_later,
+        shared.live,
+        shared.released,
+        shared.wakeup,
+        shared.straight,
+        reader,
+        item,
+    )
     release.atexit = False
     batch = reader.deliver(recipe.build(lease.region), copy=copy)
     return batch, lease.token, release
 
 
-def _release_later(shared: Shared, reader: Reader, item: tuple[Any, ...]) -> None:
+def _release_later(
+    live: set[int],
+    released: collections.deque[Any],
+    wakeup: Wakeup,
+    straight: Straight,
+    reader: Reader,
+    item: tuple[Any, ...],
+) -> None:
     """A batch's finalizer: runs in whichever thread dropped its last view. It references no
-    Consumer, so a dropped Consumer can be collected."""
-    shared.live.discard(item[0])
+    Consumer and not their shared record (whose queue holds batches), so a dropped Consumer
+    and the batches it had queued can be collected."""
+    live.discard(item[0])
 
     def ready() -> None:
-        direct = shared.release_now
-        if direct is None or not direct(item):
-            shared.released.append(item)
-            shared.wakeup.wake()
+        send = straight.send
+        if send is None or not send(item):
+            released.append(item)
+            wakeup.wake()
 
     reader.retire(item[1], ready)
 

@@ -103,7 +103,7 @@ class ConsumerIo:
         self.heartbeat = min(welcome["heartbeat"], self.settings.timeout / 4)
         self.batches_per_epoch: int | None = welcome["batches"]
         self.link.open_session(welcome, self.producer_local)
-        self.shared.release_now = delivery.releaser(self.link, reader, self.shared.wakeup)
+        self.shared.straight.send = delivery.releaser(self.link, reader, self.shared.wakeup)
 
     def serve(self) -> bool:
         """Turn until stopped (True: leave politely) or the stream is over for us (False)."""
