@@ -95,9 +95,8 @@ def peer_uid(sock: socket.socket) -> int:
 class Connection:
     """One end of a session: non-blocking, in order. A send the kernel cannot take now waits
     in :attr:`pending` (in order) until :meth:`flush`; the owner polls for POLLOUT meanwhile.
-    Not locked itself: on either side more than one thread sends, always under a lock (the
-    producer's, or the consumer's :class:`~tensorsocket.consumer.link.Link`'s), and only the
-    I/O thread reads and closes."""
+    Not locked itself: a consumer's I/O thread alone uses one; on the producer both threads
+    send, always under the producer's lock, and only its I/O thread reads and closes."""
 
     def __init__(self, sock: socket.socket) -> None:
         sock.setblocking(False)

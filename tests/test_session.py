@@ -10,15 +10,12 @@ import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
 from typing import Any
 
 import pytest
-import zmq
 
-from tensorsocket import Consumer, Producer, protocol
-from tensorsocket.consumer.link import Link
+from tensorsocket import Producer, protocol
 from tensorsocket.producer import sessions as producer_sessions
 from tensorsocket.protocol import Kind
 from tensorsocket.session import Connection
@@ -272,69 +269,3 @@ def test_another_users_connection_is_closed_at_once(name):
         assert _as_nobody(sessions_of(producer).address) == "closed"
     finally:
         producer.close()
-
-
-def test_a_dropped_batch_is_released_straight_over_the_session(name):
-    """The thread that drops a batch sends its RELEASE itself (the I/O thread is not woken
-    for it); with 2 places, 30 batches only flow if every release reaches the producer."""
-    batches = 30
-    producer = Producer(NestedLoader(batches), name=name, slots=2, min_consumers=1)
-    with serving(producer, epochs=1) as (thread, errors):
-        with Consumer(name=name, timeout=30) as consumer:
-            shared = consumer._shared
-            straight: list[bool] = []
-            release_now = shared.straight.send
-            assert release_now is not None
-
-            def counted(item: Any) -> bool:
-                straight.append(release_now(item))
-                return straight[-1]
-
-            shared.straight.send = counted
-            exact = []
-            for batch in consumer:
-                exact.append(same(batch, expected_batch(len(exact), batches)))
-                del batch  # released here, in this thread
-        thread.join(timeout=30)
-    assert errors == [] and exact == [True] * batches
-    # (the first few may come before the move to the session, or meet the I/O thread sending)
-    assert sum(straight) >= batches - 5, straight
-
-
-def test_send_now_never_waits_and_sends_nothing_after_the_bye():
-    """Link.send_now from any thread: None (the I/O thread sends it) before the move to the
-    session, while the I/O thread holds the session (a finalizer may run inside it: never
-    wait), while sends wait for room, and after stop_direct (the BYE is last)."""
-    near, far = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    dealer = zmq.Context.instance().socket(zmq.DEALER)
-    link = Link(dealer, zmq.Poller(), 1.0, threading.Event())
-    link.conn = Connection(near)
-    try:
-        assert link.send_now(b"early") is None  # not switched yet
-        link.switched = True
-        link.poller.register(near.fileno(), zmq.POLLIN)
-        assert link.send_now(b"one") is False
-        assert far.recv(1 << 16) == b"one"
-        with link.lock:  # the I/O thread is sending
-            assert link.send_now(b"two") is None
-        frames = [i.to_bytes(4, "big") * 1024 for i in range(20000)]
-        waits = [link.send_now(frame) for frame in frames]
-        assert True in waits, "the kernel took 80 MB without a reader: the test proves nothing"
-        sent = frames[: waits.index(True) + 1]  # the first that waited is the last one sent
-        assert waits[len(sent) :] == [None] * (len(frames) - len(sent))  # sends wait: never overtaken
-        link.watch_out()
-        assert dict(link.poller.poll(0)).get(near.fileno(), 0) == 0  # no room yet
-        got, deadline = [], time.monotonic() + 60
-        while len(got) < len(sent) and time.monotonic() < deadline:  # the reader catches up
-            try:
-                got.append(far.recv(1 << 16, socket.MSG_DONTWAIT))
-            except BlockingIOError:
-                link.readable(dict(link.poller.poll(100)))  # room again: what waited is flushed
-        assert got == sent and not link.conn.pending
-        link.stop_direct()
-        assert link.send_now(b"after the bye") is None
-        with pytest.raises(BlockingIOError):
-            far.recv(1 << 16, socket.MSG_DONTWAIT)  # nothing came after the BYE
-    finally:
-        link.close(linger_ms=0)
-        far.close()

@@ -4,25 +4,20 @@ Lifetime: each batch's views hang off one owner object from the transport (a Num
 over shared memory, or a CUDA array interface over a GPU mapping) with a finalizer. When
 the last view (or anything derived from one) dies, the finalizer asks the reader to retire
 the region; the reader calls back once it may be released (at once on the host; on a GPU
-after the work queued on the batch ran), and RELEASE goes: straight over the session from
-that thread (:func:`releaser`), or through the I/O thread, which re-checks the batch's
-fingerprint first where the consumer checks writes. Only then may the producer reuse the place.
+after the work queued on the batch ran), and the I/O thread then re-checks the batch's
+fingerprint and sends RELEASE. Only then may the producer reuse the place.
 """
 
 from __future__ import annotations
 
 import collections
 import weakref
-from collections.abc import Callable
 from typing import Any
 
-from .. import protocol
 from ..layout_table import Recipe
-from ..protocol import Kind
 from ..transport import Reader
 from ..wakeup import Wakeup
-from .link import Link
-from .shared import Shared, Straight
+from .shared import Shared
 
 
 def build(
@@ -35,14 +30,7 @@ def build(
     lease = reader.lease(place, nbytes)
     item = (seq, lease.token, nbytes, msg["fingerprint"], msg["epoch"], msg["index"], reader)
     release = weakref.finalize(
-        lease.owner,
-        _release_later,
-        shared.live,
-        shared.released,
-        shared.wakeup,
-        shared.straight,
-        reader,
-        item,
+        lease.owner, _release_later, shared.live, shared.released, shared.wakeup, reader, item
     )
     release.atexit = False
     batch = reader.deliver(recipe.build(lease.region), copy=copy)
@@ -50,43 +38,17 @@ def build(
 
 
 def _release_later(
-    live: set[int],
-    released: collections.deque[Any],
-    wakeup: Wakeup,
-    straight: Straight,
-    reader: Reader,
-    item: tuple[Any, ...],
+    live: set[int], released: collections.deque[Any], wakeup: Wakeup, reader: Reader, item: tuple[Any, ...]
 ) -> None:
-    """A batch's finalizer: runs in whichever thread dropped its last view. It references no
-    Consumer and not their shared record (whose queue holds batches), so a dropped Consumer
-    and the batches it had queued can be collected."""
+    """A batch's finalizer: runs in whichever thread dropped its last view. It must not touch
+    the socket, and it references no Consumer, so a dropped Consumer can be collected."""
     live.discard(item[0])
 
     def ready() -> None:
-        send = straight.send
-        if send is None or not send(item):
-            released.append(item)
-            wakeup.wake()
+        released.append(item)
+        wakeup.wake()
 
     reader.retire(item[1], ready)
-
-
-def releaser(link: Link, reader: Reader, wakeup: Wakeup) -> Callable[[tuple[Any, ...]], bool]:
-    """What a batch's finalizer calls to send its RELEASE straight over the session, from the
-    thread that dropped the batch, so the I/O thread is not woken for it (consumer CPU per
-    batch 0.86x-0.95x, ``benchmarks/results/protocol_cost-vm-2026-11-23-release-paths.json``).
-    It says False when the release must go through the I/O thread: not on a session (yet, or
-    any more), a batch of an earlier producer's, or a fingerprint to check first."""
-
-    def release_now(item: tuple[Any, ...]) -> bool:
-        if item[6] is not reader or reader.checks_writes:
-            return False
-        waits = link.send_now(protocol.encode(Kind.RELEASE, seqs=[item[0]]))
-        if waits:
-            wakeup.wake()  # it waits for room: the I/O thread polls for it
-        return waits is not None
-
-    return release_now
 
 
 def modified(label: str, epoch: int, index: int) -> str:

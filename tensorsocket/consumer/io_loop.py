@@ -48,7 +48,6 @@ def run(shared: Shared, settings: Settings, outcome: queue.SimpleQueue[Any]) -> 
     outcome.put((welcome, reader, io))
     try:
         if io.serve():
-            io.link.stop_direct()  # nothing may follow the BYE
             io.send_releases()
             io.link.send(protocol.encode(Kind.BYE))
     except Exception as exc:
@@ -103,7 +102,6 @@ class ConsumerIo:
         self.heartbeat = min(welcome["heartbeat"], self.settings.timeout / 4)
         self.batches_per_epoch: int | None = welcome["batches"]
         self.link.open_session(welcome, self.producer_local)
-        self.shared.straight.send = delivery.releaser(self.link, reader, self.shared.wakeup)
 
     def serve(self) -> bool:
         """Turn until stopped (True: leave politely) or the stream is over for us (False)."""
@@ -125,7 +123,7 @@ class ConsumerIo:
             # anything it sent while we were frozen (EVICTED, say): once here, that was read.
             clock.last_seen = max(clock.last_seen, now)
             shared.synced.clear()
-            self.link.send(protocol.encode(Kind.STATUS, status=None))
+            self._send(protocol.encode(Kind.STATUS, status=None))
         clock.last_awake = now
         shared.io_tick = now  # see Batches.catch_up_after_freeze
         if self.link.readable(events):
@@ -138,12 +136,11 @@ class ConsumerIo:
                 return self._lost(f"the producer at {self.endpoint} (pid {self.producer_pid}) died", clock)
         if shared.wakeup.fd in events:
             shared.wakeup.drain()
-            self.link.watch_out()  # a release sent straight may wait for room
         if self.send_releases():
             clock.last_sent = now
         if shared.ready is not None and not self.ready_sent:
             self.ready_sent = True
-            self.link.send(protocol.encode(Kind.READY, resume=self._ready_at(shared.ready[0])))
+            self._send(protocol.encode(Kind.READY, resume=self._ready_at(shared.ready[0])))
         if shared.stream_over:
             return True
         if now - clock.last_stats >= _STATS_EVERY:
@@ -152,13 +149,13 @@ class ConsumerIo:
             stats = (shared.taken_batches, shared.taken_samples, round(waiting, 6))
             if stats != clock.stats:
                 batches, samples, waiting = clock.stats = stats
-                self.link.send(
+                self._send(
                     protocol.encode(Kind.STATS, taken_batches=batches, taken_samples=samples, waiting=waiting)
                 )
                 clock.last_sent = now
             clock.last_stats = now
         if now - clock.last_sent >= self.heartbeat:
-            self.link.send(protocol.encode(Kind.HEARTBEAT))
+            self._send(protocol.encode(Kind.HEARTBEAT))
             clock.last_sent = now
         if self.producer_local and now - clock.last_alive >= _ALIVE_EVERY:
             # At most this often: reading /proc/<pid>/stat at every turn of a busy loop was ~9%
@@ -253,6 +250,9 @@ class ConsumerIo:
         )
         return False
 
+    def _send(self, frame: bytes) -> None:
+        self.link.send(frame)
+
     def _receive(self) -> bool:
         """Handle every waiting message; False when the stream is over for this consumer."""
         shared = self.shared
@@ -294,7 +294,7 @@ class ConsumerIo:
                     # it may now free its arenas.
                     shared.stream_over = True
                     shared.queue.put((END, msg["reason"]))
-                    self.link.send(protocol.encode(Kind.BYE))
+                    self._send(protocol.encode(Kind.BYE))
                 elif kind is Kind.EVICTED and shared.stream_over:
                     # We said BYE at END, so a later RELEASE or MODIFIED draws this; after END
                     # no place is reused, so the queued batches stay valid.
@@ -331,7 +331,7 @@ class ConsumerIo:
         successor publishes again from its restart point): released at once, not yielded."""
         if msg["seq"] <= self.drop_through:
             if kind is Kind.BATCH:
-                self.link.send(protocol.encode(Kind.RELEASE, seqs=[msg["seq"]]))
+                self._send(protocol.encode(Kind.RELEASE, seqs=[msg["seq"]]))
             return False
         if self.rejoined_at is not None:
             self._after_rejoin(kind, msg)
@@ -382,14 +382,14 @@ class ConsumerIo:
             return False
         step = protocol.MAX_RELEASE_SEQS
         for start in range(0, len(seqs), step):
-            self.link.send(protocol.encode(Kind.RELEASE, seqs=seqs[start : start + step]))
+            self._send(protocol.encode(Kind.RELEASE, seqs=seqs[start : start + step]))
         return True
 
     def _report_modified(self, seq: int, epoch: int, index: int) -> None:
         message = delivery.modified(self.settings.label, epoch, index)
         log.error("%s", message)
         self.shared.violations.append(message)
-        self.link.send(protocol.encode(Kind.MODIFIED, seq=seq, epoch=epoch, index=index))
+        self._send(protocol.encode(Kind.MODIFIED, seq=seq, epoch=epoch, index=index))
 
 
 def _send_quietly(sock: zmq.Socket, frame: bytes) -> None:

@@ -1,9 +1,7 @@
 """The consumer's link to its producer: the DEALER socket it joined through and, once the
 producer says SWITCHED, the session connection of its own (see :mod:`tensorsocket.session`).
-The I/O thread owns it; the loop above sees frames in, frames out, and whether the
-connection closed. One exception: a RELEASE goes straight over the session from whichever
-thread dropped the batch (:meth:`send_now`), so a batch's release does not wake the I/O thread:
-the session's sends are under :attr:`lock`."""
+Only the I/O thread uses it; the loop above sees frames in, frames out, and whether the
+connection closed."""
 
 from __future__ import annotations
 
@@ -31,8 +29,6 @@ class Link:
         self.switched = False  # SWITCHED came: everything goes over ``conn`` now
         self.closed = False  # ``conn`` closed under us: the producer died or cut us off
         self._out = False  # ``conn`` is polled for room to send too
-        self.lock = threading.Lock()  # over ``conn``'s sends: the I/O thread's and send_now's
-        self.direct = True  # send_now may send (until the BYE)
 
     def open_session(self, welcome: dict[str, Any], local: bool) -> None:
         """Connect to the session the WELCOME offers (a producer on this host), and say whose
@@ -53,9 +49,8 @@ class Link:
             assert self.conn is not None
             ready = events.get(self.conn.fd, 0)
             if ready & session.OUT:
-                with self.lock:
-                    self.conn.flush()
-                self.watch_out()
+                self.conn.flush()
+                self._watch_out()
             return bool(ready & session.IN_ERR)
         return self.socket in events
 
@@ -91,41 +86,18 @@ class Link:
         """Send ``frame`` (never blocks; to a producer that is gone it is dropped)."""
         if self.switched:
             assert self.conn is not None
-            with self.lock:
-                self.conn.send(frame)
-            self.watch_out()
+            self.conn.send(frame)
+            self._watch_out()
             return
         try:
             self.socket.send(frame, zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # no producer connected any more: nobody to tell
 
-    def send_now(self, frame: bytes) -> bool | None:
-        """Send ``frame`` over the session from any thread: None if it cannot be now (not on
-        the session, closed, after the BYE, or the I/O thread is sending: never wait for it,
-        a finalizer may run inside it); True if it was queued for room (wake the I/O thread:
-        it polls for it), False if it went."""
-        if not self.lock.acquire(blocking=False):
-            return None
-        try:
-            if not (self.switched and self.direct) or self.closed or self.conn.pending:  # type: ignore[union-attr]
-                return None
-            self.conn.send(frame)  # type: ignore[union-attr]
-            return bool(self.conn.pending)  # type: ignore[union-attr]
-        finally:
-            self.lock.release()
-
-    def stop_direct(self) -> None:
-        """From now on send_now sends nothing (what it could have sent goes after our BYE)."""
-        with self.lock:
-            self.direct = False
-
-    def watch_out(self) -> None:
+    def _watch_out(self) -> None:
         """Poll the connection for room to send while sends wait, and only then."""
-        if self.conn is None or not self.switched:
-            return
-        with self.lock:
-            out = bool(self.conn.pending)
+        assert self.conn is not None
+        out = bool(self.conn.pending)
         if out != self._out and not self.closed:
             self._out = out
             self.poller.register(self.conn.fd, session.IN_OUT if out else session.IN)
@@ -144,8 +116,6 @@ class Link:
         elif not self.closed:
             self.poller.unregister(self.conn.fd)  # type: ignore[union-attr]
         if self.conn is not None:
-            with self.lock:
-                self.direct = False
-                self.conn.flush()
-                self.conn.close()
+            self.conn.flush()
+            self.conn.close()
         self.socket.close(linger=linger_ms)

@@ -4,9 +4,7 @@ one writer (or a thread-safe container), as listed here.
 * ``queue`` (SimpleQueue): the I/O thread puts built batches, epoch and stream markers and
   errors, in the order they arrived; the caller's thread takes them.
 * ``released`` (deque): release callbacks append (any thread: a batch's last view can die
-  anywhere, and a GPU reader calls back from its waiter thread) what ``straight`` did not
-  send over the session; the I/O thread pops. ``straight.send`` is set by the I/O thread
-  (for its link and reader) and called by release callbacks.
+  anywhere, and a GPU reader calls back from its waiter thread); the I/O thread pops.
 * ``live`` (set of seqs handed out and not yet dropped): the caller's thread adds at
   hand-out; finalizers discard, in any thread (set.add / discard / len are atomic under the GIL).
 * ``violations`` (deque): the I/O thread appends a message when a batch changed while held;
@@ -27,7 +25,6 @@ import collections
 import queue
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,15 +55,6 @@ class Settings:
 
 
 @dataclass
-class Straight:
-    """The I/O thread's way, for now, to send a release straight over the session (see
-    delivery.releaser; None: through the I/O thread). Batch finalizers hold this, never the
-    Shared record: its queue holds batches, which would then keep themselves alive."""
-
-    send: Callable[[tuple[Any, ...]], bool] | None = None
-
-
-@dataclass
 class Shared:
     """The record both threads share (see the module docstring for who writes what)."""
 
@@ -86,7 +74,6 @@ class Shared:
     waiting: float = 0.0
     wait_started: float | None = None  # inside next() since then: a wait in progress counts
     ready: list[Any] | None = None
-    straight: Straight = field(default_factory=Straight)
     missed: int = 0  # batches lost at rejoins (the I/O thread counts; Consumer.missed adds them)
 
     def __post_init__(self) -> None:
