@@ -230,9 +230,9 @@ def test_a_consumer_dropped_mid_epoch_is_collected_with_the_batches_it_had_queue
 
 
 def test_a_consumer_dropped_without_close_leaves_instead_of_stalling_everyone(name):
-    """A Consumer dropped mid-epoch, never closed, while batches wait in its queue: it is
-    collected, its thread says BYE, and the consumer beside it gets every epoch (the places
-    the dropped one held would otherwise fill the window and stall everyone)."""
+    """A Consumer dropped mid-epoch, never closed: it is collected, its thread says BYE, and
+    the consumer beside it gets every epoch (the places the dropped one held, the batches its
+    I/O thread had queued, would otherwise fill the window and stall everyone)."""
     producer = Producer(NestedLoader(6), name=name, slots=4, replay=0, min_consumers=2)
     server = serving(producer, epochs=3)
     epochs: list[list[int]] = []

@@ -19,15 +19,7 @@ from tensorsocket import Producer, protocol
 from tensorsocket.producer import sessions as producer_sessions
 from tensorsocket.protocol import Kind
 from tensorsocket.session import Connection
-from tests.support import (
-    SPAWN,
-    NestedLoader,
-    expected_batch,
-    same,
-    serving,
-    start_consumers,
-    wait_until,
-)
+from tests.support import SPAWN, NestedLoader, expected_batch, same, serving, start_consumers, wait_until
 
 
 def collect(procs: list[Any], results: Any, n: int) -> list[dict[str, Any]]:
