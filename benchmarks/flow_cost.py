@@ -1,8 +1,11 @@
-"""The flow's cost per batch as the replay buffer grows: reserve + publish + one release per
-consumer, 8 consumers, for 16, 512 and 4104 places (the most a producer makes). The flow runs
-under the producer's lock, so this is time its I/O thread and publisher cannot overlap.
+"""The flow's cost per batch: reserve + publish + one release per consumer, with 1, 4 and 8
+consumers, and as the replay buffer grows (16, 512 and 4104 places, the most a producer
+makes). The flow runs under the producer's lock, so this is time its I/O thread and
+publisher cannot overlap. Single-threaded pure Python, so the fastest of a few repeats is a
+steady figure even on a noisy machine.
 
-    python -m benchmarks.flow_cost [--label after]   # writes benchmarks/results/flow_cost-<label>-<host>-<date>.json
+    python -m benchmarks.flow_cost [--label after] [--repeat 5]
+    # -> benchmarks/results/flow_cost-<label>-<host>-<date>.json
 """
 
 from __future__ import annotations
@@ -14,8 +17,11 @@ from datetime import datetime, timezone
 from benchmarks.sharing import machine, write
 from tensorsocket.flow import Flow
 
+#: (consumers, places): protocol_cost's producer (slots=8, replay=0), then a growing replay buffer
+CASES = ((1, 8), (4, 8), (8, 16), (8, 512), (8, 4104))
 
-def per_batch_us(places: int, consumers: int = 8, batches: int = 3000) -> float:
+
+def per_batch_us(places: int, consumers: int, batches: int = 3000) -> float:
     flow = Flow(window=8, places=places)
     for c in range(consumers):
         flow.join(c, 8)
@@ -32,20 +38,22 @@ def per_batch_us(places: int, consumers: int = 8, batches: int = 3000) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--label", default="current", help="names the result file (e.g. the commit measured)")
-    label = parser.parse_args().label
+    parser.add_argument("--repeat", type=int, default=5, help="runs of each case; the fastest counts")
+    args = parser.parse_args()
     figures = {}
-    for places in (16, 512, 4104):
-        figures[places] = round(per_batch_us(places), 1)
-        print(f"{places:5d} places: {figures[places]:7.1f} us per batch (8 consumers)")
+    for consumers, places in CASES:
+        best = min(per_batch_us(places, consumers) for _ in range(args.repeat))
+        figures[f"{consumers} consumers, {places} places"] = round(best, 1)
+        print(f"{consumers} consumers, {places:5d} places: {best:6.1f} us per batch")
     result = {
         "benchmark": "flow_cost",
-        "label": label,
+        "label": args.label,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine(),
-        "config": {"consumers": 8, "window": 8, "batches": 3000},
-        "us_per_batch_by_places": figures,
+        "config": {"window": 8, "batches": 3000, "repeat": args.repeat},
+        "us_per_batch": figures,
     }
-    print(f"wrote {write(result, f'flow_cost-{label}')}")
+    print(f"wrote {write(result, f'flow_cost-{args.label}')}")
 
 
 if __name__ == "__main__":

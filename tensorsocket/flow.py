@@ -412,7 +412,13 @@ class Flow:
             place = state.held.pop(seq, None)
             if place is not None:
                 self._places[place].holders.discard(cid)
-        out = self._deliver(cid, state) + self._settle()
+        cursor = state.cursor
+        out = self._deliver(cid, state)
+        if state.cursor == cursor:
+            # Sent nothing (a consumer caught up with the newest batch, most releases): no lag
+            # changed, so there is nothing to settle, and no entry became unwanted.
+            return out
+        out += self._settle()
         self._trim()
         return out
 
