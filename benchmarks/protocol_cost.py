@@ -4,7 +4,8 @@ batches/s, for several consumer settings side by side in one run.
 
 Each consumer takes every batch and drops it at once (no training step), so the consumer's
 process CPU per batch (``time.process_time()``, every thread: its I/O thread included) is what
-tensorsocket costs it. The producer's loader yields the same few batches over and over, made
+tensorsocket costs it. Each process's CPU is also split by thread (each thread's own CPU clock):
+the caller's thread and the I/O thread, and the rest of the process (ZeroMQ's own threads). The producer's loader yields the same few batches over and over, made
 once. Variants, one after the other in the same run:
 
 * ``read-only``: the default: host batches mapped read-only, no fingerprint check at release;
@@ -23,6 +24,7 @@ import argparse
 import os
 import statistics
 import sys
+import threading
 import time
 import uuid
 from datetime import datetime, timezone
@@ -53,6 +55,28 @@ class Tiny:
         return (self.made[i % 4] for i in range(self.batches))
 
 
+#: Python threads by name, as the split reports them (the rest of a process is "other")
+THREADS = {"MainThread": "caller", "tensorsocket-producer-io": "io", "tensorsocket-consumer-io": "io"}
+
+
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds so far of this process (``"process"``) and of each of its threads named in
+    :data:`THREADS`, read from each thread's own CPU clock."""
+    out = {"process": time.process_time()}
+    for thread in threading.enumerate():
+        role = THREADS.get(thread.name)
+        if role is not None and thread.ident is not None:
+            out[role] = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+    return out
+
+
+def _split(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """CPU seconds between two :func:`_thread_cpu` readings: each thread's, and the rest's."""
+    spent = {role: after[role] - before[role] for role in after if role in before}
+    spent["other"] = spent["process"] - sum(v for role, v in spent.items() if role != "process")
+    return spent
+
+
 def _produce(name: str, batches: int, consumers: int, env: dict[str, str], out: Any) -> None:
     os.environ.update(env)
     from tensorsocket import Producer
@@ -62,10 +86,9 @@ def _produce(name: str, batches: int, consumers: int, env: dict[str, str], out: 
         cpu0 = wall0 = None
         for i, _ in enumerate(producer):
             if i == 0:  # from the first batch on: start-up is not per-batch cost
-                cpu0, wall0 = time.process_time(), time.perf_counter()
-        out.put(
-            {"role": "producer", "cpu_s": time.process_time() - cpu0, "wall_s": time.perf_counter() - wall0}
-        )
+                cpu0, wall0 = _thread_cpu(), time.perf_counter()
+        spent, wall = _split(cpu0, _thread_cpu()), time.perf_counter() - wall0
+        out.put({"role": "producer", "cpu_s": spent["process"], "threads_s": spent, "wall_s": wall})
 
 
 def _consume(name: str, options: dict[str, Any], out: Any) -> None:
@@ -76,10 +99,11 @@ def _consume(name: str, options: dict[str, Any], out: Any) -> None:
         taken, cpu0 = 0, None
         for batch in consumer:
             if cpu0 is None:
-                cpu0 = time.process_time()
+                cpu0 = _thread_cpu()
             taken += 1
             del batch
-        out.put({"role": "consumer", "cpu_s": time.process_time() - cpu0, "taken": taken})
+        spent = _split(cpu0, _thread_cpu())  # (before close(): the I/O thread is still there)
+        out.put({"role": "consumer", "cpu_s": spent["process"], "threads_s": spent, "taken": taken})
 
 
 def run_once(variant: str, consumers: int, batches: int, timeout: float) -> dict[str, Any]:
@@ -102,9 +126,15 @@ def run_once(variant: str, consumers: int, batches: int, timeout: float) -> dict
         "consumers": consumers,
         "producer_cpu_us_per_batch": round(producer["cpu_s"] / n * 1e6, 1),
         "consumer_cpu_us_per_batch": [round(r["cpu_s"] / n * 1e6, 1) for r in taken],
+        "producer_threads_us_per_batch": _per_batch(producer["threads_s"], n),
+        "consumer_threads_us_per_batch": [_per_batch(r["threads_s"], n) for r in taken],
         "batches_per_s": round(n / producer["wall_s"], 1),
         "every_batch": all(r["taken"] == batches for r in taken),
     }
+
+
+def _per_batch(threads_s: dict[str, float], n: int) -> dict[str, float]:
+    return {role: round(v / n * 1e6, 1) for role, v in threads_s.items() if role != "process"}
 
 
 def line(r: dict[str, Any]) -> str:
@@ -114,7 +144,19 @@ def line(r: dict[str, Any]) -> str:
         f"{r['variant']:>13} x{r['consumers']}: consumer CPU {statistics.median(r['consumer_cpu_us_per_batch']):.1f} "
         f"us/batch, producer CPU {r['producer_cpu_us_per_batch']:.1f} us/batch, "
         f"{r['batches_per_s']:.0f} batches/s, every batch: {r['every_batch']}{wrong}"
+        + ("" if "producer_threads_us_per_batch" not in r else "\n" + " " * 17 + by_thread(r))
     )
+
+
+def by_thread(r: dict[str, Any]) -> str:
+    """One run's CPU per batch split by thread (the consumers': their median)."""
+    consumer = _by_role(r["consumer_threads_us_per_batch"])
+    producer = r["producer_threads_us_per_batch"]
+    return "by thread: consumer " + _roles(consumer) + "; producer " + _roles(producer)
+
+
+def _roles(split: dict[str, float]) -> str:
+    return ", ".join(f"{role} {split[role]:.0f}" for role in ("caller", "io", "other") if role in split)
 
 
 def medians(runs: list[dict[str, Any]], consumers: int, variants: Any) -> dict[str, dict[str, float]]:
@@ -129,7 +171,19 @@ def medians(runs: list[dict[str, Any]], consumers: int, variants: Any) -> dict[s
             "producer_cpu_us_per_batch": statistics.median(r["producer_cpu_us_per_batch"] for r in mine),
             "batches_per_s": statistics.median(r["batches_per_s"] for r in mine),
         }
+        if all("producer_threads_us_per_batch" in r for r in mine):  # (lean_path's own runs have none)
+            out[variant]["consumer_threads_us_per_batch"] = _by_role(
+                [_by_role(r["consumer_threads_us_per_batch"]) for r in mine]
+            )
+            out[variant]["producer_threads_us_per_batch"] = _by_role(
+                [r["producer_threads_us_per_batch"] for r in mine]
+            )
     return out
+
+
+def _by_role(splits: list[dict[str, float]]) -> dict[str, float]:
+    """The median of each thread's figure over several splits (consumers, or runs)."""
+    return {role: statistics.median(s[role] for s in splits) for role in splits[0]}
 
 
 def ratios(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
