@@ -40,6 +40,44 @@ def per_call_us(fn: Callable[[], object], calls: int) -> float:
     return round(sorted(rounds)[2], 2)
 
 
+def whole_batch() -> tuple[Callable[[], object], Callable[[], None]]:
+    """What a consumer's I/O thread does for one BATCH, with no socket and no other thread:
+    decode it, lease its place (a real read-only shared-memory mapping), build the views of
+    a (float32 32x16, int64 32) batch from its numbered layout, hang the release finalizer,
+    count its samples; then drop it, so the finalizer queues the release. And a cleanup."""
+    from tensorsocket import layout, layout_table
+    from tensorsocket.consumer import delivery
+    from tensorsocket.consumer.shared import Shared
+    from tensorsocket.transport.shm import ShmReader, ShmStore
+
+    plan = layout.plan((torch.rand(32, 16), torch.arange(32)))
+    store, reader, shared = ShmStore(), ShmReader(torch.device("cpu"), writable=False), Shared()
+    arena = store.prepare(0, plan.nbytes)
+    for descriptor in store.install(arena) if arena is not None else ():
+        reader.announce(descriptor)
+    store.write(0, plan, False).wait()
+    encoded = plan.encode()
+    table, key = layout_table.LayoutTable(), layout_table.key(encoded)
+    table.number(encoded, key)  # numbered at its second sight, as a producer does
+    number, entry = table.number(encoded, key)
+    recipes = layout_table.Recipes([entry])
+    frame = protocol.encode(Kind.BATCH, seq=1, epoch=0, index=0, place=0, layout=number, fingerprint=None)
+
+    def one() -> None:
+        _, msg = protocol.decode(frame, protocol.MAX_REPLY_BYTES)
+        recipe = recipes.get(msg["layout"])
+        batch, _, _ = delivery.build(msg, recipe, reader, shared, False)
+        recipe.count(batch)
+        del batch
+        shared.released.clear()
+
+    def close() -> None:
+        reader.close()
+        store.close()
+
+    return one, close
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=20000)
@@ -81,6 +119,8 @@ def main(argv: list[str] | None = None) -> None:
         "the same over a Unix SEQPACKET socket pair (no I/O thread)": send_and_take_unix,
         "time.monotonic()": time.monotonic,
     }
+    one_batch, close_batch = whole_batch()
+    steps["a whole BATCH into a batch and its release (the I/O thread's work, no socket)"] = one_batch
     costs = {}
     for label, fn in steps.items():
         costs[label] = per_call_us(fn, args.calls)
@@ -89,6 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     receiver.close(linger=0)
     near.close()
     far.close()
+    close_batch()
     context.term()
     result = {
         "benchmark": "step_costs",
