@@ -108,12 +108,19 @@ def main(argv: list[str] | None = None) -> None:
         near.send(release)
         far.recv(65536)
 
+    def weak_reference() -> None:
+        owner = Owner()
+        watch = weakref.ref(owner, id)
+        del owner  # fires: the callback gets the reference
+        del watch
+
     steps = {
         "decode a BATCH message (msgpack + checks)": lambda: protocol.decode(batch, protocol.MAX_REPLY_BYTES),
         "a float32 (32, 16) tensor over shared memory": lambda: torch.from_numpy(
             region[:2048].view(np.float32).reshape(32, 16)
         ),
-        "a release finalizer (made and run)": lambda: weakref.finalize(Owner(), int)(),
+        "weakref.finalize on a batch's owner (made and run)": lambda: weakref.finalize(Owner(), int)(),
+        "a weak reference with a callback, as a release uses (made and fired)": weak_reference,
         "encode a RELEASE": lambda: protocol.encode(Kind.RELEASE, seqs=[5]),
         "zmq send + recv of a RELEASE, one thread (no wake-up)": send_and_take,
         "the same over a Unix SEQPACKET socket pair (no I/O thread)": send_and_take_unix,

@@ -17,6 +17,8 @@ layout inline, checked and built as before.
 from __future__ import annotations
 
 import hashlib
+import operator
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -118,6 +120,7 @@ class Recipe:
             if compiled
             else None
         )
+        self._assemble = _assembler(self.tree) if compiled else None
         self.samples: int | None = None  # of a built batch (rebatch.batch_length), from the first one
         self._counted = False
 
@@ -125,8 +128,7 @@ class Recipe:
         """The batch as views of ``region`` (see :func:`layout.build`; same result)."""
         if self._host is None or not isinstance(region, np.ndarray):  # torch's own views
             return layout.build(self.tree, self.leaves, region)
-        views = [step(region) for step in self._host]
-        return _assemble(self.tree, views)
+        return self._assemble([step(region) for step in self._host])  # type: ignore[misc]
 
     def count(self, batch: Any) -> int | None:
         """The samples in a batch built from this recipe (the same for every one)."""
@@ -183,14 +185,23 @@ def _host_step(leaf: layout.Leaf, tag: str) -> Any:
     return array
 
 
-def _assemble(node: list[Any], views: list[Any]) -> Any:
+_BRANCHES = (layout.TUPLE, layout.LIST, layout.DICT)
+
+
+def _assembler(node: list[Any]) -> Callable[[list[Any]], Any]:
+    """A function that puts a batch's leaf views into the layout's tree, made once per layout
+    (walking the tree for every batch was ~4 us of a 2-leaf batch's ~50 us)."""
     tag, payload = node
-    if tag == layout.TUPLE:
-        return tuple(_assemble(c, views) for c in payload)
-    if tag == layout.LIST:
-        return [_assemble(c, views) for c in payload]
-    if tag == layout.DICT:
-        return {k: _assemble(c, views) for k, c in payload}
     if tag == layout.VALUE:
-        return payload
-    return views[payload]
+        return lambda views: payload
+    if tag not in _BRANCHES:
+        return operator.itemgetter(payload)  # a leaf: its view
+    if tag == layout.DICT:
+        keys, parts = [key for key, _ in payload], [_assembler(child) for _, child in payload]
+        return lambda views: {key: part(views) for key, part in zip(keys, parts, strict=True)}
+    parts = [_assembler(child) for child in payload]
+    if tag == layout.LIST:
+        return lambda views: [part(views) for part in parts]
+    if len(payload) >= 2 and all(child[0] not in (*_BRANCHES, layout.VALUE) for child in payload):
+        return operator.itemgetter(*(child[1] for child in payload))  # a tuple of leaves: one C call
+    return lambda views: tuple([part(views) for part in parts])

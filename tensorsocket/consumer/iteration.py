@@ -216,7 +216,7 @@ class Batches:
             # Counted as held from here (not when built): the hoarding check must not count a
             # batch the I/O thread is still building or queueing. A batch delivered as a copy
             # dropped its views in the I/O thread already: it holds nothing.
-            if release.alive:
+            if release() is not None:  # (its owner is alive)
                 self.shared.live.add(seq)
                 reader.handed_out(token)
             if self.first_batch:
