@@ -52,6 +52,12 @@ def _batches() -> dict[str, Any]:
             torch.rand(4, generator=g).to(torch.bfloat16),
         ),
         "one tensor": torch.rand(2, 2, generator=g),
+        "tuples of one, of none, of a value": (
+            (torch.rand(2, generator=g),),
+            (),
+            {"t": (np.int8(1), None)},
+            [(torch.arange(3), torch.arange(2))],
+        ),
         "no leaves": {"a": None, "b": [1, 2.0]},
     }
 
