@@ -4,9 +4,10 @@ batches/s, for several consumer settings side by side in one run.
 
 Each consumer takes every batch and drops it at once (no training step), so the consumer's
 process CPU per batch (``time.process_time()``, every thread: its I/O thread included) is what
-tensorsocket costs it. Each process's CPU is also split by thread (each thread's own CPU clock):
-the caller's thread and the I/O thread, and the rest of the process (ZeroMQ's own threads). The producer's loader yields the same few batches over and over, made
-once. Variants, one after the other in the same run:
+tensorsocket costs it. Each process's CPU is also split by thread (each thread's own CPU
+clock): the caller's thread, the I/O thread, and the rest of the process (ZeroMQ's own
+threads). The producer's loader yields the same few batches over and over, made once.
+Variants, one after the other in the same run:
 
 * ``read-only``: the default: host batches mapped read-only, no fingerprint check at release;
 * ``check_writes``: ``Consumer(check_writes=True)``: writable mappings, each batch's sampled

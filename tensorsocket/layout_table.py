@@ -197,8 +197,8 @@ def _assembler(node: list[Any]) -> Callable[[list[Any]], Any]:
     if tag not in _BRANCHES:
         return operator.itemgetter(payload)  # a leaf: its view
     if tag == layout.DICT:
-        keys, parts = [key for key, _ in payload], [_assembler(child) for _, child in payload]
-        return lambda views: {key: part(views) for key, part in zip(keys, parts, strict=True)}
+        pairs = [(key, _assembler(child)) for key, child in payload]
+        return lambda views: {key: part(views) for key, part in pairs}
     parts = [_assembler(child) for child in payload]
     if tag == layout.LIST:
         return lambda views: [part(views) for part in parts]
