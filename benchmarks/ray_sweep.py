@@ -180,6 +180,10 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
     shared = args.run == "shared"
     node_cpus = 2 * (1 + args.workers)
     tmp = tempfile.mkdtemp(prefix="tsb-")
+    # Ray writes the cluster's address under $RAY_TMPDIR/ray whatever temp_dir says, and does
+    # not make that folder (/tmp/ray is missing where Ray never ran): keep it in ours.
+    os.environ["RAY_TMPDIR"] = tmp
+    os.makedirs(os.path.join(tmp, "ray"), exist_ok=True)
     cluster = Cluster(
         initialize_head=True,
         head_node_args={

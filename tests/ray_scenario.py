@@ -292,6 +292,10 @@ def main(out_path: str) -> int:
     except Exception as exc:
         result["before_init"] = f"{type(exc).__name__}: {exc}"
     tmp = tempfile.mkdtemp(prefix="tsr-")
+    # Ray writes the cluster's address under $RAY_TMPDIR/ray whatever temp_dir says, and does
+    # not make that folder (/tmp/ray is missing where Ray never ran): keep it in ours.
+    os.environ["RAY_TMPDIR"] = tmp
+    os.makedirs(os.path.join(tmp, "ray"), exist_ok=True)
     cluster = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 3, "temp_dir": os.path.join(tmp, "ray")},
