@@ -18,7 +18,7 @@ from typing import Any
 from ..layout_table import Recipe
 from ..transport import Reader
 from ..wakeup import Wakeup
-from .shared import Shared
+from .shared import Shared, Sleeping
 
 #: The weak references whose callbacks release batches, by id (a weak reference hashes as
 #: its referent, and arrays do not hash), kept alive until they fire: as weakref.finalize
@@ -36,7 +36,10 @@ def build(
     lease = reader.lease(place, nbytes)
     item = (seq, lease.token, nbytes, msg["fingerprint"], msg["epoch"], msg["index"], reader)
     watch = weakref.ref(
-        lease.owner, functools.partial(_release_later, shared.live, shared.released, shared.wakeup, reader, item)
+        lease.owner,
+        functools.partial(
+            _release_later, shared.live, shared.released, shared.wakeup, shared.io_sleeping, reader, item
+        ),
     )
     _WATCHING[id(watch)] = watch
     batch = reader.deliver(recipe.build(lease.region), copy=copy)
@@ -47,18 +50,24 @@ def _release_later(
     live: set[int],
     released: collections.deque[Any],
     wakeup: Wakeup,
+    sleeping: Sleeping,
     reader: Reader,
     item: tuple[Any, ...],
     watch: weakref.ref[Any],
 ) -> None:
     """A batch's finalizer: runs in whichever thread dropped its last view. It must not touch
-    the socket, and it references no Consumer, so a dropped Consumer can be collected."""
+    the link, and it references no Consumer or shared record, so a dropped Consumer is collected.
+
+    It wakes the I/O thread only from a long sleep: otherwise that thread is awake, or ticks
+    within HANDOVER while the caller's thread reads for itself, and the caller's thread sends
+    what was released before it waits (a wake-up per batch is much of a tiny batch's cost)."""
     _WATCHING.pop(id(watch), None)
     live.discard(item[0])
 
     def ready() -> None:
         released.append(item)
-        wakeup.wake()
+        if sleeping.now:
+            wakeup.wake()
 
     reader.retire(item[1], ready)
 

@@ -180,7 +180,7 @@ class Consumer:
         if self._rebatcher is not None:
             self._rebatcher.flush()
         self._batches = Batches(
-            shared, settings, self._io, self.slots, self._rebatcher, welcome["stream"], restored,
+            shared, settings, self._io, self._conn, self.slots, self._rebatcher, welcome["stream"], restored,
             self.batches_per_epoch,
         )  # fmt: skip
         self._closed = False

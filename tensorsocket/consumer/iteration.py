@@ -10,15 +10,15 @@ from __future__ import annotations
 import collections
 import gc
 import logging
-import queue
 import threading
 import time
 from typing import Any
 
-from ..errors import BatchModified, Closed, Hoarding, ProducerLost
+from ..errors import BatchModified, Hoarding, ProducerLost
 from ..rebatch import Rebatcher, batch_length
 from . import resume
-from .io_loop import TICK
+from .caller_turn import CallerTurns
+from .inbox import Inbox
 from .resume import Position
 from .shared import BATCH, END, EPOCH_END, RESTARTED, SKIPPED, Settings, Shared
 
@@ -33,6 +33,7 @@ class Batches:
         shared: Shared,
         settings: Settings,
         io: threading.Thread,
+        inbox: Inbox,
         slots: int,
         rebatcher: Rebatcher | None,
         stream: str = "",
@@ -40,6 +41,7 @@ class Batches:
         batches_per_epoch: int | None = None,
     ) -> None:
         self.shared, self.settings, self.io = shared, settings, io
+        self.turns = CallerTurns(shared, inbox, io, settings.endpoint)
         self.slots, self.rebatcher = slots, rebatcher
         self.group_size = 1 if settings.group is None else settings.group[2]  # 1: not in a group
         # Where this consumer is (see consumer/resume.py): the next producer batch of the epoch
@@ -250,21 +252,7 @@ class Batches:
         raise payload
 
     def _take(self) -> tuple[str, Any]:
-        """Block for the next queue item, with the checks that make a wait finite."""
-        while True:
-            try:
-                return self.shared.queue.get(timeout=TICK)
-            except queue.Empty:
-                pass
-            if not self.io.is_alive():
-                try:  # what it queued just before it stopped (the reason) comes first
-                    return self.shared.queue.get_nowait()
-                except queue.Empty:
-                    pass
-                if self.shared.stop.is_set():
-                    raise Closed(f"consumer of {self.settings.endpoint} is closed")
-                raise ProducerLost(f"the consumer's I/O thread for {self.settings.endpoint} stopped")
-            self._check_hoarding()
+        return self.turns.take(self._check_hoarding)
 
     def _note_skipped(self, count: int) -> None:
         if not self.skipped:

@@ -1,7 +1,7 @@
 """The consumer's link to its producer: the DEALER socket it joined through and, once the
 producer says SWITCHED, the session connection of its own (see :mod:`tensorsocket.session`).
-Only the I/O thread uses it; the loop above sees frames in, frames out, and whether the
-connection closed."""
+The loop above sees frames in, frames out, and whether the connection closed. One thread at a
+time uses it (``Shared.link_lock``); only the I/O thread changes what its poller watches."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ class Link:
         self.conn: session.Connection | None = None  # connected, SESSION sent
         self.switched = False  # SWITCHED came: everything goes over ``conn`` now
         self.closed = False  # ``conn`` closed under us: the producer died or cut us off
-        self._out = False  # ``conn`` is polled for room to send too
+        self._polled = 0  # the events ``conn`` is polled for
 
     def open_session(self, welcome: dict[str, Any], local: bool) -> None:
         """Connect to the session the WELCOME offers (a producer on this host), and say whose
@@ -48,9 +48,8 @@ class Link:
         if self.switched:
             assert self.conn is not None
             ready = events.get(self.conn.fd, 0)
-            if ready & session.OUT:
+            if ready and self.conn.pending:  # room to send, or an error that says there is none
                 self.conn.flush()
-                self._watch_out()
             return bool(ready & session.IN_ERR)
         return self.socket in events
 
@@ -66,7 +65,7 @@ class Link:
                 return frame
             self.switched = True  # ZeroMQ said all it will: the rest comes over the connection
             self.poller.unregister(self.socket)
-            self.poller.register(self.conn.fd, zmq.POLLIN)
+            self.watch(reading=True)
         assert self.conn is not None
         frame = self.conn.recv(protocol.MAX_REPLY_BYTES)
         if frame == session.LARGE:  # too large for a datagram: its bytes came over ZeroMQ
@@ -77,8 +76,7 @@ class Link:
             log.warning("a large message announced on the session never came: the producer is gone or broken")
             frame = b""  # as if the session closed: the producer is lost
         if frame == b"":
-            self.closed = True
-            self.poller.unregister(self.conn.fd)
+            self.closed = True  # (the I/O thread stops polling it at its next watch())
             return None
         return frame
 
@@ -86,21 +84,28 @@ class Link:
         """Send ``frame`` (never blocks; to a producer that is gone it is dropped)."""
         if self.switched:
             assert self.conn is not None
-            self.conn.send(frame)
-            self._watch_out()
+            self.conn.send(frame)  # (if it waits in ``pending``, the I/O thread's watch() sees it)
             return
         try:
             self.socket.send(frame, zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # no producer connected any more: nobody to tell
 
-    def _watch_out(self) -> None:
-        """Poll the connection for room to send while sends wait, and only then."""
+    def watch(self, reading: bool) -> None:
+        """(I/O thread) Poll the session for messages while this thread reads them (not while
+        the caller's thread does), and for room to send while sends wait; not once it closed."""
+        if not self.switched:
+            return
         assert self.conn is not None
-        out = bool(self.conn.pending)
-        if out != self._out and not self.closed:
-            self._out = out
-            self.poller.register(self.conn.fd, session.IN_OUT if out else session.IN)
+        want = (
+            0 if self.closed else (session.IN if reading else 0) | (session.OUT if self.conn.pending else 0)
+        )
+        if want != self._polled:
+            if want:
+                self.poller.register(self.conn.fd, want)
+            else:
+                self.poller.unregister(self.conn.fd)
+            self._polled = want
 
     def renewed(self, socket: zmq.Socket) -> Link:
         """This link closed, and a new one over ``socket`` (joining a successor)."""
@@ -113,8 +118,9 @@ class Link:
             return
         if not self.switched:
             self.poller.unregister(self.socket)
-        elif not self.closed:
+        elif self._polled:
             self.poller.unregister(self.conn.fd)  # type: ignore[union-attr]
+            self._polled = 0
         if self.conn is not None:
             self.conn.flush()
             self.conn.close()

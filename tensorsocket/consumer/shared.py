@@ -17,6 +17,12 @@ one writer (or a thread-safe container), as listed here.
 * ``taken_batches``, ``taken_samples``, ``waiting``, ``wait_started``: the caller's thread
   only; the I/O thread reads them for its STATS reports.
 * ``stop`` (Event): close() sets it; ``wakeup``: any thread pokes it.
+* ``link_lock``: held by whichever thread uses the link and the state the producer's messages
+  change (:class:`~tensorsocket.consumer.inbox.Inbox`): the I/O thread for each turn, the
+  caller's thread while it reads for itself (:mod:`~tensorsocket.consumer.caller_turn`).
+* ``caller_at``: the caller's thread only: whether it is in next() and since when.
+* ``io_sleeping``: the I/O thread only: it sleeps in a long poll (so a release must wake it),
+  reading the session or not.
 """
 
 from __future__ import annotations
@@ -29,6 +35,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..wakeup import Wakeup
+
+TICK = 0.05  # seconds: the longest any wait goes without re-checking why it waits
+#: seconds the caller's thread must be away from next() before the I/O thread reads the
+#: session again (shorter absences, between two batches, leave it to the caller's thread)
+HANDOVER = 0.005
 
 # Queue item kinds
 BATCH, SKIPPED, EPOCH_END, END, ERROR = "batch", "skipped", "epoch_end", "end", "error"
@@ -54,6 +65,17 @@ class Settings:
     reconnect: float = 0.0  # seconds to wait for a successor when the producer is lost
 
 
+class Sleeping:
+    """Whether the I/O thread sleeps in a long poll (so a release must wake it), and whether it
+    reads the session meanwhile: a box of its own, as a batch's finalizer must not hold the
+    shared record (which holds the queued batches)."""
+
+    __slots__ = ("now", "reading")
+
+    def __init__(self) -> None:
+        self.now = self.reading = False
+
+
 @dataclass
 class Shared:
     """The record both threads share (see the module docstring for who writes what)."""
@@ -75,6 +97,9 @@ class Shared:
     wait_started: float | None = None  # inside next() since then: a wait in progress counts
     ready: list[Any] | None = None
     missed: int = 0  # batches lost at rejoins (the I/O thread counts; Consumer.missed adds them)
+    link_lock: threading.Lock = field(default_factory=threading.Lock)
+    caller_at: tuple[bool, float] = (False, 0.0)  # (away from the start)
+    io_sleeping: Sleeping = field(default_factory=lambda: Sleeping())
 
     def __post_init__(self) -> None:
         self.synced.set()

@@ -1,0 +1,121 @@
+"""The caller's thread reads its own batches while it waits in next() for one.
+
+Why: on the I/O thread, a batch costs three wake-ups: that thread's for the message, the
+caller's for the hand-off through the queue, and that thread's again for the release. On a
+2-core VM, each is tens of microseconds of CPU, more than the Python that builds the batch
+(``python3 -m benchmarks.wakeup_floor``: a thread blocked on a Unix socket pays 6 us per
+message, a poll loop handing each message to another thread and woken back for its release
+57 us). So while the caller waits in next() for a batch of host memory over a session, it
+reads the session itself, under ``Shared.link_lock``, and sends what it released before it
+sleeps: one wake-up per batch. The I/O thread then only ticks (heartbeats, STATS, liveness);
+once the caller has been away from next() for ``HANDOVER`` (a training step), the I/O thread
+reads again, so what comes meanwhile (an eviction, the next batches) is read as before. (After
+a wait in next() longer than that, the caller's thread wakes it on leaving: it sleeps long
+while the caller waits long, instead of ticking every HANDOVER.)
+"""
+
+from __future__ import annotations
+
+import queue
+import select
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import Closed, ProducerLost
+from .inbox import Inbox
+from .shared import HANDOVER, TICK, Shared
+
+_TICK_MS = int(TICK * 1000)
+#: Releases held back while batches keep coming: sent with the next ones, or before a wait.
+#: (Two to a message halved the RELEASE messages of one consumer; the producer reads each.)
+_HOLD_RELEASES = 1
+_HELD_MS = 1  # how long a wait may hold them back before sending them (the producer may need them)
+
+
+class CallerTurns:
+    """The caller's side of the link; used by the caller's thread only."""
+
+    def __init__(self, shared: Shared, inbox: Inbox, io: threading.Thread, endpoint: str) -> None:
+        self.shared, self.inbox, self.io, self.endpoint = shared, inbox, io, endpoint
+        self._fd = -1
+        self._poll = select.poll()
+
+    def take(self, check: Callable[[], None]) -> tuple[str, Any]:
+        """Block for the next queue item (reading the link for it when this thread may), with
+        the checks that make a wait finite: every TICK, that the I/O thread is alive, and
+        ``check()`` (that this consumer is not waiting for a batch it can never get)."""
+        shared = self.shared
+        entered = time.monotonic()
+        shared.caller_at = (True, entered)
+        try:
+            return self._wait(check)
+        finally:
+            left = time.monotonic()
+            shared.caller_at = (False, left)
+            sleeping = shared.io_sleeping
+            if left - entered >= HANDOVER and sleeping.now and not sleeping.reading:
+                shared.wakeup.wake()  # it sleeps long while we wait long: to read during our step
+
+    def _wait(self, check: Callable[[], None]) -> tuple[str, Any]:
+        shared, checked = self.shared, time.monotonic()
+        while True:
+            try:
+                return shared.queue.get_nowait()
+            except queue.Empty:
+                pass
+            turned = self.turn()
+            if turned is None:
+                try:
+                    return shared.queue.get(timeout=TICK)
+                except queue.Empty:
+                    pass
+            elif turned and time.monotonic() - checked < TICK:
+                continue
+            checked = time.monotonic()
+            if not self.io.is_alive():
+                try:  # what it queued just before it stopped (the reason) comes first
+                    return shared.queue.get_nowait()
+                except queue.Empty:
+                    pass
+                if shared.stop.is_set():
+                    raise Closed(f"consumer of {self.endpoint} is closed")
+                raise ProducerLost(f"the consumer's I/O thread for {self.endpoint} stopped")
+            check()
+
+    def turn(self) -> bool | None:
+        """Wait at most about TICK for the producer's next message, reading it in this thread.
+        None: this thread may not read now (the I/O thread reads; wait on the queue instead).
+        True: a message was read or is waiting (look at the queue again). False: TICK passed."""
+        shared, inbox = self.shared, self.inbox
+        if not shared.link_lock.acquire(timeout=TICK):
+            return None  # the I/O thread is busy for a while (joining a successor, say)
+        try:
+            if not inbox.caller_may_read():
+                return None
+            if not shared.queue.empty():
+                return True  # the I/O thread read it
+            if len(shared.released) > _HOLD_RELEASES:
+                inbox.send_releases()
+            frame = inbox.link.recv()
+            if frame is not None:
+                if not inbox.handle(frame):
+                    inbox.over = True  # (EVICTED, say: the I/O thread stops at its next turn)
+                return True
+            if inbox.link.closed:
+                return None  # the I/O thread finds out why
+            fd = inbox.link.conn.fd  # type: ignore[union-attr]
+        finally:
+            shared.link_lock.release()
+        if fd != self._fd:
+            self._poll = select.poll()
+            self._poll.register(fd, select.POLLIN)
+            self._fd = fd
+        if shared.released:
+            if self._poll.poll(_HELD_MS):
+                return True
+            with shared.link_lock:
+                if inbox.caller_may_read():
+                    inbox.send_releases()
+        return bool(self._poll.poll(_TICK_MS))

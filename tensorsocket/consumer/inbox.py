@@ -1,0 +1,204 @@
+"""What a consumer makes of its producer's messages: each frame read from the link becomes
+a queued batch, epoch end, skip or error, and each dropped batch a RELEASE.
+
+Both of the consumer's threads run it, one at a time (under ``Shared.link_lock``): the I/O
+thread, and the caller's thread while it waits in next() for a batch of host shared memory
+(see :mod:`tensorsocket.consumer.caller_turn`). So nothing here waits for the other thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from .. import protocol
+from ..errors import Evicted, GroupBroken, ProtocolError
+from ..layout_table import Recipes
+from ..protocol import Kind
+from ..transport import Reader
+from . import delivery, resume
+from .link import Link
+from .shared import BATCH, END, EPOCH_END, ERROR, SKIPPED, Settings, Shared
+
+log = logging.getLogger("tensorsocket")
+
+
+class Inbox:
+    """The link, the reader, the layouts and where the stream is: the state the messages
+    change. Only the thread holding ``shared.link_lock`` touches it."""
+
+    def __init__(self, shared: Shared, settings: Settings, link: Link, stream: str) -> None:
+        self.shared, self.settings, self.link = shared, settings, link
+        self.endpoint = settings.endpoint
+        self.reader: Reader
+        self.recipes: Recipes
+        # For a rejoin: the stream and the last entry received (its seq and where the next
+        # batch is), so a successor resumes right after it and what came again is dropped.
+        self.stream = stream
+        self.last_seq = -1
+        self.next_at: tuple[int, int] | None = None if settings.resume is None else settings.resume[1:]
+        self.drop_through = -1  # after a rejoin: entries up to this seq came before
+        self.rejoined_at: tuple[int, int] | None = None  # after a rejoin: where the next batch should be
+        self.size = 1 if settings.group is None else settings.group[2]
+        self.batches_per_epoch: int | None = None
+        self.last_seen = time.monotonic()  # the last message from the producer, read by either thread
+        self.over = False  # the caller's thread read the end of this consumer's stream (EVICTED, say)
+
+    def caller_may_read(self) -> bool:
+        """Whether the caller's thread may read the link now: a session (no ZeroMQ socket to
+        share), open, whose batches are views of host memory (built where they are read: a
+        GPU reader keeps its work on the I/O thread)."""
+        link = self.link
+        return (
+            link.switched
+            and not link.closed
+            and self.reader.kind == "shm"
+            and self.reader.delivery == "views"
+        )
+
+    def _send(self, frame: bytes) -> None:
+        self.link.send(frame)
+
+    def receive(self) -> bool:
+        """Handle every waiting message; False when the stream is over for this consumer."""
+        while True:
+            frame = self.link.recv()
+            if frame is None:
+                return True
+            if not self.handle(frame):
+                return False
+
+    def handle(self, frame: bytes) -> bool:
+        """Handle one message; False when the stream is over for this consumer."""
+        shared = self.shared
+        self.last_seen = time.monotonic()
+        try:
+            kind, msg = protocol.decode(frame, protocol.MAX_REPLY_BYTES)
+            if kind in (Kind.BATCH, Kind.EPOCH_END) and not self._new(kind, msg):
+                return True
+            if kind is Kind.BATCH:
+                recipe = self.recipes.get(msg["layout"])
+                batch, token, release = delivery.build(msg, recipe, self.reader, shared, self.settings.copy)
+                samples = recipe.count(batch)  # counted here, off the training thread
+                payload = (
+                    batch,
+                    msg["epoch"],
+                    msg["index"],
+                    msg["seq"],
+                    token,
+                    release,
+                    samples,
+                    self.reader,
+                )
+                shared.queue.put((BATCH, payload))
+            elif kind is Kind.SKIPPED:
+                shared.queue.put((SKIPPED, msg["count"]))
+            elif kind is Kind.ARENA:
+                self.reader.announce(msg["arena"])
+            elif kind is Kind.LAYOUT:
+                self.recipes.define(msg["number"], msg["layout"])
+            elif kind is Kind.EPOCH_END:
+                shared.queue.put((EPOCH_END, msg["epoch"]))
+            elif kind is Kind.END:
+                # Every earlier BATCH is built (so its arena mapped): tell the producer
+                # it may now free its arenas.
+                shared.stream_over = True
+                shared.queue.put((END, msg["reason"]))
+                self._send(protocol.encode(Kind.BYE))
+            elif kind is Kind.EVICTED and shared.stream_over:
+                # We said BYE at END, so a later RELEASE or MODIFIED draws this; after END
+                # no place is reused, so the queued batches stay valid.
+                return True
+            elif kind is Kind.EVICTED:
+                # Mid-stream (after END the branch above applies): our queued batches'
+                # places get reused, so never yield them.
+                shared.cut_off = Evicted(
+                    f"the producer at {self.endpoint} evicted this consumer: {msg['reason']}"
+                )
+                shared.fail(shared.cut_off)
+                return False
+            elif kind is Kind.GROUP_BROKEN:
+                # Nothing more comes, but what we hold stays ours until released: this thread
+                # goes on heartbeating (not shared.fail: a silent consumer is evicted, and its
+                # places reused under the batches it still holds) and releasing.
+                broken = GroupBroken(f"the producer at {self.endpoint} reports: {msg['reason']}")
+                log.error("%s", broken)
+                if msg["at_once"]:  # mid-epoch: the batches still queued are no use to DDP
+                    shared.cut_off = broken
+                shared.queue.put((ERROR, broken))
+            elif kind is Kind.ERROR:
+                log.error("the producer at %s reports: %s", self.endpoint, msg["reason"])
+            elif kind is Kind.STATUS:
+                shared.synced.set()
+            elif kind is not Kind.HEARTBEAT:
+                raise ProtocolError(f"unexpected {kind.value} message from the producer")
+        except (ProtocolError, KeyError, ValueError) as exc:
+            shared.fail(ProtocolError(f"bad message from the producer at {self.endpoint}: {exc}"))
+            return False
+        return True
+
+    def _new(self, kind: Kind, msg: dict[str, Any]) -> bool:
+        """Note where the stream is for a rejoin; False for an entry received before it (a
+        successor publishes again from its restart point): released at once, not yielded."""
+        if msg["seq"] <= self.drop_through:
+            if kind is Kind.BATCH:
+                self._send(protocol.encode(Kind.RELEASE, seqs=[msg["seq"]]))
+            return False
+        if self.rejoined_at is not None:
+            self._after_rejoin(kind, msg)
+        self.last_seq = msg["seq"]
+        if kind is Kind.EPOCH_END:
+            self.next_at = (msg["epoch"] + 1, 0)
+        else:
+            self.next_at = (msg["epoch"], (msg["index"] // self.size + 1) * self.size)
+        return True
+
+    def _after_rejoin(self, kind: Kind, msg: dict[str, Any]) -> None:
+        """The first entry after a rejoin. An epoch end it jumps over is ended here. Batches
+        between where we rejoined and it were lost (the successor no longer had them: say, a
+        consumer joined with a replay just before the crash, before the state file said so):
+        said, and counted in ``missed``."""
+        epoch, index = self.rejoined_at  # type: ignore[misc]
+        self.rejoined_at = None
+        for ended in range(epoch, msg["epoch"]):
+            # An epoch's end marker is not held, so it may have been in flight when the producer
+            # died while the successor starts after it: end that epoch here, as it would have.
+            self.shared.queue.put((EPOCH_END, ended))
+        first = (msg["epoch"], msg["index"] - msg["index"] % self.size) if kind is Kind.BATCH else None
+        if first is None or first == (epoch, index):
+            return
+        lost = resume.missed(resume.Position(self.stream, epoch, index), *first, self.batches_per_epoch)
+        if lost:
+            self.shared.missed += lost
+            log.warning(
+                "rejoined at batch %d of epoch %d, which the producer no longer had: %d batches missed",
+                index, epoch, lost,
+            )  # fmt: skip
+
+    def send_releases(self) -> bool:
+        """Release every retired batch (checking it was not changed while held); True if any."""
+        shared, seqs = self.shared, []
+        while shared.released:
+            seq, token, nbytes, fingerprint, epoch, index, reader = shared.released.popleft()
+            if reader is not self.reader:
+                continue  # from a producer that died: nothing to release to
+            if (
+                fingerprint is not None
+                and self.reader.checks_writes
+                and self.reader.fingerprint(token, nbytes) != fingerprint
+            ):
+                self._report_modified(seq, epoch, index)
+            seqs.append(seq)
+        if not seqs:
+            return False
+        step = protocol.MAX_RELEASE_SEQS
+        for start in range(0, len(seqs), step):
+            self._send(protocol.encode(Kind.RELEASE, seqs=seqs[start : start + step]))
+        return True
+
+    def _report_modified(self, seq: int, epoch: int, index: int) -> None:
+        message = delivery.modified(self.settings.label, epoch, index)
+        log.error("%s", message)
+        self.shared.violations.append(message)
+        self._send(protocol.encode(Kind.MODIFIED, seq=seq, epoch=epoch, index=index))
