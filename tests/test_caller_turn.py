@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tensorsocket import Consumer, Producer, protocol
+from tensorsocket import Consumer, Producer, ProducerLost, protocol
 from tensorsocket.consumer import inbox
 from tensorsocket.consumer.shared import HANDOVER
 from tensorsocket.protocol import Kind
@@ -77,3 +77,32 @@ def test_batches_of_gpu_memory_are_read_by_the_io_thread_only(name, monkeypatch)
     assert errors == []
     assert got == [True] * 12
     assert set(readers) == {"tensorsocket-consumer-io"}, readers
+
+
+def test_a_read_that_fails_in_the_callers_thread_ends_the_stream_instead_of_skipping_a_batch(
+    name, monkeypatch, caplog
+):
+    """A BATCH read by the caller's thread and then lost (an OSError mapping its arena, say, or
+    Ctrl-C half-way): next() raises ProducerLost rather than go on without that batch, and the
+    consumer leaves at once (the producer does not wait for it)."""
+    handle = inbox.Inbox.handle
+
+    def failing(self: inbox.Inbox, frame: bytes) -> bool:
+        if threading.current_thread().name == "MainThread":
+            raise OSError("injected: cannot map the arena")
+        return handle(self, frame)
+
+    producer = Producer(NestedLoader(40), name=name, slots=2, replay=0)
+    with serving(producer, epochs=1) as (thread, errors):
+        with Consumer(name=name, timeout=30) as consumer:
+            taken = 0
+            with pytest.raises(ProducerLost, match="failed while it read: OSError: injected"):
+                for batch in consumer:
+                    assert same(batch, expected_batch(taken, 40))
+                    taken += 1
+                    del batch
+                    if taken == 3:  # the first batches come over ZeroMQ: fail from here on
+                        monkeypatch.setattr(inbox.Inbox, "handle", failing)
+            assert 3 <= taken < 40
+    assert errors == []
+    assert "not finished" not in caplog.text  # (a consumer still registered at close() is)

@@ -16,6 +16,7 @@ while the caller waits long, instead of ticking every HANDOVER.)
 
 from __future__ import annotations
 
+import logging
 import queue
 import select
 import threading
@@ -23,9 +24,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .. import protocol
 from ..errors import Closed, ProducerLost
+from ..protocol import Kind
 from .inbox import Inbox
 from .shared import HANDOVER, TICK, Shared
+
+log = logging.getLogger("tensorsocket")
 
 _TICK_MS = int(TICK * 1000)
 #: Releases held back while batches keep coming: sent with the next ones, or before a wait.
@@ -97,10 +102,10 @@ class CallerTurns:
             if not shared.queue.empty():
                 return True  # the I/O thread read it
             if len(shared.released) > _HOLD_RELEASES:
-                inbox.send_releases()
+                self._guarded(inbox.send_releases)
             frame = inbox.link.recv()
             if frame is not None:
-                if not inbox.handle(frame):
+                if not self._guarded(inbox.handle, frame):
                     inbox.over = True  # (EVICTED, say: the I/O thread stops at its next turn)
                 return True
             if inbox.link.closed:
@@ -115,7 +120,34 @@ class CallerTurns:
         if shared.released:
             if self._poll.poll(_HELD_MS):
                 return True
-            with shared.link_lock:
+            if not shared.link_lock.acquire(timeout=TICK):
+                return None
+            try:
                 if inbox.caller_may_read():
-                    inbox.send_releases()
+                    self._guarded(inbox.send_releases)
+            finally:
+                shared.link_lock.release()
+        if not shared.queue.empty():
+            return True
         return bool(self._poll.poll(_TICK_MS))
+
+    def _guarded(self, step: Callable[..., Any], *args: Any) -> Any:
+        """Run a step that reads or releases for the I/O thread. Failed or interrupted half-way
+        (Ctrl-C lands in this thread; an OSError mapping an arena), a message was read and not
+        handled or releases taken and not sent: this consumer can no longer be exact, so its
+        stream ends here (next() raises ProducerLost; leaving gives the producer its places
+        back). An interrupt goes on up; an error is logged, as the I/O thread's were."""
+        try:
+            return step(*args)
+        except BaseException as exc:
+            self.inbox.over = True
+            why = f"consumer of {self.endpoint} failed while it read: {type(exc).__name__}: {exc}"
+            self.shared.fail(ProducerLost(why))
+            try:  # leave at once: the producer takes back the places we held (link_lock is ours)
+                self.inbox.link.send(protocol.encode(Kind.BYE))
+            except Exception:
+                pass
+            if not isinstance(exc, Exception):
+                raise
+            log.exception("%s", why)
+            return False

@@ -53,6 +53,7 @@ class Inbox:
         return (
             link.switched
             and not link.closed
+            and not self.shared.stop.is_set()
             and self.reader.kind == "shm"
             and self.reader.delivery == "views"
         )

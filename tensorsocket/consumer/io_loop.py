@@ -58,7 +58,8 @@ def run(shared: Shared, settings: Settings, outcome: queue.SimpleQueue[Any]) -> 
         log.exception("consumer I/O thread for %s failed", settings.endpoint)
         shared.fail(ProducerLost(f"consumer I/O failed: {type(exc).__name__}: {exc}"))
     finally:
-        io.link.close(linger_ms=100)
+        with shared.link_lock:  # (the caller's thread may be reading it)
+            io.link.close(linger_ms=100)
 
 
 @dataclass
@@ -103,13 +104,17 @@ class ConsumerIo(Inbox):
         now = time.monotonic()
         clock = _Clock(now, now)
         shared = self.shared
+        sleeping = shared.io_sleeping
         while not shared.stop.is_set():
+            # Asleep and not reading until decided: the caller's thread leaving a long wait in
+            # next() meanwhile wakes us (CallerTurns.take), and a release does.
+            sleeping.now, sleeping.reading = True, False
             reading, wait = self._sleep()
             self.link.watch(reading)
-            shared.io_sleeping.reading = reading
-            shared.io_sleeping.now = wait >= _TICK_MS  # a release made from now on wakes us
+            sleeping.reading = reading
+            sleeping.now = wait >= _TICK_MS  # a release made from now on wakes us
             events = dict(self.poller.poll(0 if shared.released else wait))
-            shared.io_sleeping.now = False
+            sleeping.now = False
             with shared.link_lock:
                 if self.over or not self._once(events, clock):
                     return False
@@ -141,7 +146,9 @@ class ConsumerIo(Inbox):
             self._send(protocol.encode(Kind.STATUS, status=None))
         clock.last_awake = now
         shared.io_tick = now  # see Batches.catch_up_after_freeze
-        if self.link.readable(events):
+        # (Woken by a message while the caller's thread came to read it: leave it to that thread,
+        # which polls the same session, so it never sleeps with its batch already queued.)
+        if self.link.readable(events) and not (shared.caller_at[0] and self.caller_may_read()):
             self.last_seen = now
             if not self.receive():
                 return False

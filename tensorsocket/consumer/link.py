@@ -116,6 +116,7 @@ class Link:
         """Close the socket and the session (again: nothing)."""
         if self.socket.closed:
             return
+        self.closed = True  # (the caller's thread reads a link only while it is open)
         if not self.switched:
             self.poller.unregister(self.socket)
         elif self._polled:
