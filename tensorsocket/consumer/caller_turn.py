@@ -42,8 +42,9 @@ _HELD_MS = 1  # how long a wait may hold them back before sending them (the prod
 class CallerTurns:
     """The caller's side of the link; used by the caller's thread only."""
 
-    def __init__(self, shared: Shared, inbox: Inbox, io: threading.Thread, endpoint: str) -> None:
+    def __init__(self, shared: Shared, inbox: Inbox, io: threading.Thread, endpoint: str, slots: int) -> None:
         self.shared, self.inbox, self.io, self.endpoint = shared, inbox, io, endpoint
+        self.slots = slots  # the producer's window
         self._fd = -1
         self._poll = select.poll()
 
@@ -110,6 +111,8 @@ class CallerTurns:
                 return True
             if inbox.link.closed:
                 return None  # the I/O thread finds out why
+            if shared.released and len(shared.released) + len(shared.live) >= self.slots:
+                self._guarded(inbox.send_releases)  # every place is ours: the producer waits for these
             fd = inbox.link.conn.fd  # type: ignore[union-attr]
         finally:
             shared.link_lock.release()
