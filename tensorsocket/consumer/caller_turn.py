@@ -34,8 +34,9 @@ log = logging.getLogger("tensorsocket")
 
 _TICK_MS = int(TICK * 1000)
 #: Releases held back while batches keep coming: sent with the next ones, or before a wait.
-#: (Two to a message halved the RELEASE messages of one consumer; the producer reads each.)
-_HOLD_RELEASES = 1
+#: (The producer's I/O thread reads each message: four to a message instead of two gave its
+#: CPU per batch 0.87x with 1 consumer and 0.83x with 4, protocol_cost-vm-2026-11-24-caller-turns.json.)
+_HOLD_RELEASES = 3
 _HELD_MS = 1  # how long a wait may hold them back before sending them (the producer may need them)
 
 
