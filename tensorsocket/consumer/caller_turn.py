@@ -147,10 +147,9 @@ class CallerTurns:
             self.inbox.over = True
             why = f"consumer of {self.endpoint} failed while it read: {type(exc).__name__}: {exc}"
             self.shared.fail(ProducerLost(why))
-            try:  # leave at once: the producer takes back the places we held (link_lock is ours)
-                self.inbox.link.send(protocol.encode(Kind.BYE))
-            except Exception:
-                pass
+            # Leave at once: the producer takes back the places we held (link_lock is ours; a
+            # link's send never raises, a gone producer's message is dropped).
+            self.inbox.link.send(protocol.encode(Kind.BYE))
             if not isinstance(exc, Exception):
                 raise
             log.exception("%s", why)

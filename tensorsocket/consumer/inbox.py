@@ -17,6 +17,7 @@ from ..errors import Evicted, GroupBroken, ProtocolError
 from ..layout_table import Recipes
 from ..protocol import Kind
 from ..transport import Reader
+from ..transport.shm import KIND as HOST_MEMORY
 from . import delivery, resume
 from .link import Link
 from .shared import BATCH, END, EPOCH_END, ERROR, SKIPPED, Settings, Shared
@@ -54,7 +55,7 @@ class Inbox:
             link.switched
             and not link.closed
             and not self.shared.stop.is_set()
-            and self.reader.kind == "shm"
+            and self.reader.kind == HOST_MEMORY
             and self.reader.delivery == "views"
         )
 

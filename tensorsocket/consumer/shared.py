@@ -99,7 +99,7 @@ class Shared:
     missed: int = 0  # batches lost at rejoins (the I/O thread counts; Consumer.missed adds them)
     link_lock: threading.Lock = field(default_factory=threading.Lock)
     caller_at: tuple[bool, float] = (False, 0.0)  # (away from the start)
-    io_sleeping: Sleeping = field(default_factory=lambda: Sleeping())
+    io_sleeping: Sleeping = field(default_factory=Sleeping)
 
     def __post_init__(self) -> None:
         self.synced.set()
