@@ -95,8 +95,9 @@ def peer_uid(sock: socket.socket) -> int:
 class Connection:
     """One end of a session: non-blocking, in order. A send the kernel cannot take now waits
     in :attr:`pending` (in order) until :meth:`flush`; the owner polls for POLLOUT meanwhile.
-    Not locked itself: a consumer's I/O thread alone uses one; on the producer both threads
-    send, always under the producer's lock, and only its I/O thread reads and closes."""
+    Not locked itself: a consumer's threads use one under its link lock; on the producer both
+    threads send and read (the publishing thread in its turn: producer/session_turns), always
+    under the producer's lock, and only its I/O thread closes."""
 
     def __init__(self, sock: socket.socket) -> None:
         sock.setblocking(False)

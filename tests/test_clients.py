@@ -122,6 +122,11 @@ weights = [float(p.detach().double().sum()) for p in model.parameters()]
 with open(f"{report}.{rank}", "w") as f:
     json.dump({"seen": seen, "weights": weights}, f)
 dist.destroy_process_group()
+# Leave without the interpreter's teardown: gloo's worker threads can abort it now and then
+# ("terminate called without an active exception", SIGABRT; pytorch/pytorch#179291 describes
+# the teardown race), after the report above is written.
+sys.stdout.flush()
+os._exit(0)
 """
 
 

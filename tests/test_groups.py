@@ -56,7 +56,7 @@ def read_epochs(consumer: Consumer, epochs: int) -> list[list[list[int]]]:
 # ---------------------------------------------------------------------- torchrun jobs
 
 DDP_RANK = """\
-import json, sys
+import json, os, sys
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -104,6 +104,11 @@ with open(f"{report}.{rank}", "w") as f:
         f,
     )
 dist.destroy_process_group()
+# Leave without the interpreter's teardown: gloo's worker threads can abort it now and then
+# ("terminate called without an active exception", SIGABRT; pytorch/pytorch#179291 describes
+# the teardown race), after the report above is written.
+sys.stdout.flush()
+os._exit(0)
 """
 
 

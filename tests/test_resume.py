@@ -155,9 +155,11 @@ def test_a_state_from_another_stream_joins_as_a_late_joiner(name, caplog):
 @pytest.mark.parametrize("stagger", [False, True], ids=["together", "one-loads-before-the-other-joins"])
 def test_a_restored_group_resumes_together(name, stagger):
     """Both ranks save their state after 2 steps and stop (as a job killed after a
-    checkpoint); the restarted ranks construct, load and iterate, in any order."""
+    checkpoint); the restarted ranks construct, load and iterate, in any order. (Two epochs
+    served: releasing what they held as they left, the first ranks may let the producer
+    publish the rest of the first epoch before they are gone; its end must not end the stream.)"""
     with Producer(Ids(), name=name, slots=2) as producer:
-        with serving(producer, epochs=1):
+        with serving(producer, epochs=2):
             states: dict[int, Any] = {}
             seen: dict[tuple[int, int], list[int]] = {}
             saved = threading.Barrier(2, timeout=30)  # neither leaves (breaking the group) before both saved

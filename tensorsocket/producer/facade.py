@@ -261,6 +261,7 @@ class Producer:
             with shared.changed:
                 shared.store.close()
             shared.wakeup.close()
+            shared.publisher_wakeup.close()
             self._release_lock()
             log.info("producer on %s closed", self.endpoint)
 

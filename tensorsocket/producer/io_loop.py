@@ -23,12 +23,13 @@ from ..errors import ProtocolError
 from ..flow import LateJoin, Membership, Tail
 from ..host import boot_id, pid_alive, pid_namespace, same_host
 from ..protocol import Kind
+from .session_turns import HANDOVER, publisher_turn
 from .sessions import Sessions, send_zmq
-from .shared import Peer, Shared
+from .shared import TICK, Peer, Shared
 
 log = logging.getLogger("tensorsocket")
 
-TICK = 0.05  # seconds between liveness checks
+_TICK_MS = int(TICK * 1000)
 _MAX_HEARTBEAT = 1.0
 _BIND_TIMEOUT = 30.0
 
@@ -43,6 +44,7 @@ class IoLoop:
         self.thread = threading.Thread(
             target=self._run, args=(endpoint,), name="tensorsocket-producer-io", daemon=True
         )
+        self.declined = False  # a session's message was left to the publishing thread's turn
 
     def start(self) -> str:
         """Start the thread; return the endpoint it bound (a tcp ``:*`` resolved to its port),
@@ -87,13 +89,19 @@ class IoLoop:
         next_tick = 0.0
         try:
             while not shared.stop.is_set():
-                polled = _repoll(poller, polled, self.sessions.fds())
-                events = dict(poller.poll(int(TICK * 1000)))
+                turn = publisher_turn(shared)
+                polled = _repoll(poller, polled, self.sessions.fds(not turn))
+                events = dict(poller.poll(_turn_left_ms(shared) if self.declined else _TICK_MS))
+                self.declined = False
                 if shared.wakeup.fd in events:
                     shared.wakeup.drain()
                 if socket in events:
+                    if turn:  # what came over the sessions before it, first: a BYE before a later HELLO
+                        for fd in list(self.sessions.cid_of):
+                            self._session_event(fd, catch_up=True)
                     self._receive()
-                for fd in polled.keys() & events.keys():
+                left = list(self.sessions.stashed)  # (a snapshot: the caller's thread adds under the lock)
+                for fd in (polled.keys() & events.keys()).union(left):
                     self._session_event(fd)
                 now = time.monotonic()
                 if now >= next_tick:
@@ -110,7 +118,7 @@ class IoLoop:
                 self.sessions.close()
             socket.close()
             with shared.changed:
-                shared.changed.notify_all()
+                shared.notify()
 
     def _flush(self, now: float, switch: tuple[Hashable, Any] | None = None) -> None:
         """Send what is queued: over sessions under the lock (nothing the caller's thread sends
@@ -127,13 +135,17 @@ class IoLoop:
                     zmq_frames.append((cid, frame))
             if switch is not None:
                 zmq_frames = self.sessions.switch(self.socket, switch, zmq_frames)
+            version = self.sessions.version
             self.sessions.close_gone(shared.peers)
+            if self.sessions.version != version or switch is not None:
+                shared.notify()  # (a publishing thread asleep on the sessions polls anew)
         send_zmq(self.socket, zmq_frames)
 
-    def _session_event(self, fd: int) -> None:
+    def _session_event(self, fd: int, catch_up: bool = False) -> None:
         """Something on a session descriptor: a connection to accept, one saying whose it is
         (then everything queued for that consumer goes over ZeroMQ, then SWITCHED, then the
-        rest over the connection), room to send, or a consumer's messages."""
+        rest over the connection), room to send, or a consumer's messages (read in the
+        publishing thread's turn too when ``catch_up``)."""
         sessions = self.sessions
         if sessions.listener is not None and fd == sessions.listener.fileno():
             sessions.accept()
@@ -143,13 +155,19 @@ class IoLoop:
                 self._flush(time.monotonic(), switch=bound)
         elif fd in sessions.cid_of:
             cid = sessions.cid_of[fd]
-            with self.shared.changed:  # (the caller's thread sends on it too)
+            with self.shared.changed:  # (the caller's thread sends on it, and may read it, too)
                 sessions.by_cid[cid].flush()
-            frames, closed = sessions.read(fd)
-            for frame in frames:
-                self._apply(cid, frame)
-            if closed:  # (or cut off for breaking the protocol)
-                self._closed(cid)
+                left = fd in sessions.stashed
+                if not catch_up and not left and publisher_turn(self.shared):
+                    self.declined = not self.shared.publisher_polling  # (if polling, it reads it now)
+                    return  # the caller's thread reads it
+                frames, closed = sessions.read(fd)
+                for frame in frames:
+                    self._apply(cid, frame)
+                if closed:  # (or cut off for breaking the protocol)
+                    self._closed(cid)
+                if left:  # the publishing thread waits for it (a bad message notifies nobody)
+                    self.shared.notify()
 
     def _receive(self) -> None:
         for _ in range(1000):  # bounded, so ticks still run under a flood
@@ -167,7 +185,7 @@ class IoLoop:
             kind, msg = protocol.decode(frame)
             with self.shared.changed:
                 self._handle(cid, kind, msg)
-                self.shared.changed.notify_all()
+                self.shared.notify()
         except ProtocolError as exc:
             self._bad(cid, str(exc))
 
@@ -179,7 +197,7 @@ class IoLoop:
             peer = self.shared.peers.get(cid)
             if peer is not None and peer.local and not pid_alive(peer.pid):
                 self._drop(cid, "died; evicted")
-            self.shared.changed.notify_all()
+            self.shared.notify()
 
     def _bad(self, cid: bytes, reason: str) -> None:
         shared = self.shared
@@ -196,6 +214,8 @@ class IoLoop:
         """Apply one valid message."""
         shared = self.shared
         now = time.monotonic()
+        if shared.apply_routine(cid, kind, msg, now):
+            return
         peer = shared.peers.get(cid)
         if peer is not None:
             peer.last_seen = now
@@ -208,13 +228,9 @@ class IoLoop:
                 reason = "unknown consumer: it was evicted or never joined"
                 shared.post(cid, protocol.encode(Kind.EVICTED, reason=reason))
         elif kind is Kind.READY:
-            shared.send_all(shared.flow.ready(cid, *self._position(msg["resume"])))
-        elif kind is Kind.RELEASE:
-            shared.send_all(shared.flow.release(cid, msg["seqs"]))
+            shared.send_all(shared.flow.ready(cid, *position(self.shared.config.stream, msg["resume"])))
         elif kind is Kind.BYE:
             self._drop(cid, "left")
-        elif kind is Kind.STATS:
-            peer.stats.append((now, msg["taken_batches"], msg["taken_samples"], float(msg["waiting"])))
         elif kind is Kind.MODIFIED:
             log.error(
                 "%s reports batch %d (epoch %d, index %d) changed in shared memory while it held it; "
@@ -224,24 +240,10 @@ class IoLoop:
                 msg["seq"],
                 msg["epoch"],
                 msg["index"],
-                self._holders_of(cid, msg["seq"]),
+                holders_of(self.shared, cid, msg["seq"]),
             )
-        elif kind is not Kind.HEARTBEAT:
+        else:
             raise ProtocolError(f"a consumer may not send {kind.value} messages")
-
-    def _position(self, resume: list[Any] | None) -> tuple[tuple[int, int] | None, bool]:
-        """A restored or rejoining consumer's (epoch, index) and whether it rejoins (see
-        Flow.ready); None for a position on another stream (its numbers mean nothing here)."""
-        if resume is None or resume[0] != self.shared.config.stream:
-            return None, False
-        return (resume[1], resume[2]), resume[3]
-
-    def _holders_of(self, cid: bytes, seq: int) -> str:
-        """Who holds batch ``seq`` besides ``cid`` (which reports it): their descriptions."""
-        shared = self.shared
-        place = shared.flow.consumers[cid].held.get(seq)
-        holders = shared.flow.holders(place) if place is not None else frozenset((cid,))
-        return ", ".join(sorted(shared.peers[h].describe() for h in holders if h in shared.peers))
 
     def _hello(self, cid: bytes, msg: dict[str, Any], now: float) -> None:
         shared, config = self.shared, self.shared.config
@@ -260,7 +262,7 @@ class IoLoop:
         try:
             # A group member starts with its group once every rank is READY (began iterating:
             # after any load_state_dict, whatever order the trainers start in).
-            at, rejoined = self._position(msg["resume"])
+            at, rejoined = position(self.shared.config.stream, msg["resume"])
             actions = shared.flow.join(
                 cid, msg["prefetch"], LateJoin(msg["late_join"]), member, at, member is None, rejoined
             )
@@ -327,7 +329,7 @@ class IoLoop:
                     shared.post(cid, protocol.encode(Kind.EVICTED, reason=reason))
                 elif now - peer.last_sent > _heartbeat_interval(peer):
                     shared.post(cid, protocol.encode(Kind.HEARTBEAT))
-            shared.changed.notify_all()
+            shared.notify()
 
 
 def _repoll(poller: zmq.Poller, polled: dict[int, int], wanted: dict[int, int]) -> dict[int, int]:
@@ -339,6 +341,28 @@ def _repoll(poller: zmq.Poller, polled: dict[int, int], wanted: dict[int, int]) 
             if polled.get(fd) != flags:
                 poller.register(fd, flags)
     return wanted
+
+
+def position(stream: str, resume: list[Any] | None) -> tuple[tuple[int, int] | None, bool]:
+    """A restored or rejoining consumer's (epoch, index) and whether it rejoins (see
+    Flow.ready); None for a position on another stream (its numbers mean nothing here)."""
+    if resume is None or resume[0] != stream:
+        return None, False
+    return (resume[1], resume[2]), resume[3]
+
+
+def holders_of(shared: Shared, cid: Hashable, seq: int) -> str:
+    """Who holds batch ``seq`` besides ``cid`` (which reports it): their descriptions (lock held)."""
+    place = shared.flow.consumers[cid].held.get(seq)
+    holders = shared.flow.holders(place) if place is not None else frozenset((cid,))
+    return ", ".join(sorted(shared.peers[h].describe() for h in holders if h in shared.peers))
+
+
+def _turn_left_ms(shared: Shared) -> int:
+    """How long the publishing thread's turn lasts yet: the I/O thread, having left a message
+    to it, polls no longer than that (it may not come back to read it: a slow loader)."""
+    left = shared.publisher_at + HANDOVER - time.monotonic()
+    return min(_TICK_MS, max(0, int(left * 1000) + 1))
 
 
 def _heartbeat_interval(peer: Peer) -> float:

@@ -16,9 +16,10 @@ from typing import Any
 from .. import layout, layout_table, protocol, sharding
 from ..errors import Closed, IoThreadDied
 from ..protocol import Kind
-from .io_loop import TICK, IoLoop
+from .io_loop import IoLoop
 from .restart import Resumed, Tracker, content_fingerprint
-from .shared import Shared
+from .session_turns import SessionTurns
+from .shared import TICK, Shared
 
 log = logging.getLogger("tensorsocket")
 
@@ -41,6 +42,7 @@ class Publisher:
         resumed: Resumed | None = None,
     ) -> None:
         self.shared, self.io = shared, io
+        self.turns = SessionTurns(shared, io.sessions)
         self.min_consumers, self.grace = min_consumers, grace
         self.closing = False  # close() has begun: waits in the caller's thread end quietly
         self.started = False  # the first batch was pulled
@@ -95,7 +97,7 @@ class Publisher:
         key = layout_table.key(encoded)  # (outside the lock: a large layout packs slowly)
 
         t_place = time.perf_counter()
-        self.wait(reserved, None, "a free place")
+        self.turns.wait(reserved, lambda: self._check_waiting("a free place", None))
         place_wait = time.perf_counter() - t_place
         place = place_box[0]
         try:
@@ -279,28 +281,41 @@ class Publisher:
                 return
             frame = protocol.encode(Kind.END, seq=shared.flow.next_seq, reason=reason)
             shared.send_all(shared.flow.end_stream(frame))
+            shared.notify()  # (close() from another thread: the publishing thread stops waiting)
             if self.tracker is not None and reason is None:  # a clean end: nothing to resume
                 self.tracker.ended()  # (after an error the file stays: a restart may go on)
         shared.wakeup.wake()
 
     def wait(self, predicate: Callable[[], bool], deadline: float | None, what: str) -> None:
         """Wait under the lock until ``predicate()``; re-check every tick so close() and a
-        dead I/O thread are noticed. Raises TimeoutError at ``deadline``."""
+        dead I/O thread are noticed. Raises TimeoutError at ``deadline``. Once it waits, the
+        I/O thread is handed the sessions (what this waits for comes from there)."""
         shared = self.shared
         with shared.changed:
+            if predicate():
+                return
+            if shared.publisher_at:  # hand the sessions back to the I/O thread at once
+                shared.publisher_at = 0.0
+                shared.wakeup.wake()
             while not predicate():
-                if shared.stop.is_set():
-                    raise Closed(f"producer on {shared.config.endpoint} stopped while waiting for {what}")
-                if not self.io.thread.is_alive():
-                    raise IoThreadDied(
-                        f"the I/O thread of the producer on {shared.config.endpoint} stopped while "
-                        f"waiting for {what} (its error is logged above)"
-                    )
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise TimeoutError(f"gave up waiting for {what}")
-                if self.tracker is not None and self.tracker.behind(shared.flow.restart_point()):
-                    self.tracker.save(*self._restart_where(), force=True)
+                self._check_waiting(what, deadline)
                 shared.changed.wait(TICK)
+
+    def _check_waiting(self, what: str, deadline: float | None) -> None:
+        """A wait's checks, each tick (lock held): the producer stopped, its I/O thread died,
+        the deadline passed; and a resumable producer's state file kept current."""
+        shared = self.shared
+        if shared.stop.is_set():
+            raise Closed(f"producer on {shared.config.endpoint} stopped while waiting for {what}")
+        if not self.io.thread.is_alive():
+            raise IoThreadDied(
+                f"the I/O thread of the producer on {shared.config.endpoint} stopped while "
+                f"waiting for {what} (its error is logged above)"
+            )
+        if deadline is not None and time.monotonic() >= deadline:
+            raise TimeoutError(f"gave up waiting for {what}")
+        if self.tracker is not None and self.tracker.behind(shared.flow.restart_point()):
+            self.tracker.save(*self._restart_where(), force=True)
 
     def all_left(self) -> bool:
         """After END: every consumer said BYE (it has mapped every arena it was sent, so the

@@ -1,6 +1,9 @@
 """The producer's side of consumers' sessions (see :mod:`tensorsocket.session`): the listener,
 connections waiting for their SESSION message, and the connection each consumer moved to.
-Used only by the I/O thread, which polls :meth:`Sessions.fds` with its socket."""
+The I/O thread polls :meth:`Sessions.fds` with its socket, accepts, binds and closes; a
+consumer's connection is read under the producer's lock, by the I/O thread or, in its turn
+(:mod:`.session_turns`), by the caller's thread, which leaves what it does not apply in
+:attr:`Sessions.stashed` for the I/O thread."""
 
 from __future__ import annotations
 
@@ -35,6 +38,11 @@ class Sessions:
         self._accept_from = 0.0  # (monotonic) when the listener is polled again after a failure
         self.by_cid: dict[Hashable, session.Connection] = {}
         self.cid_of: dict[int, Hashable] = {}  # by fd
+        # by fd: frames the caller's thread read but left to the I/O thread, read first (b"": closed)
+        self.stashed: dict[int, list[bytes]] = {}
+        self.version = (
+            0  # moves when the connections or their stashes change (the caller's thread polls them)
+        )
 
     def offer(self, cid: Hashable) -> list[str] | None:
         """WELCOME's ``session`` for ``cid``: the address and a fresh token, or None."""
@@ -44,13 +52,17 @@ class Sessions:
         self._tokens[token] = cid
         return [self.address, token]
 
-    def fds(self) -> dict[int, int]:
-        """Every descriptor to poll, with its events (POLLOUT where sends wait)."""
+    def fds(self, reading: bool) -> dict[int, int]:
+        """Every descriptor to poll, with its events (POLLOUT where sends wait); consumers'
+        connections are polled for their messages only when ``reading`` (not the caller's turn)."""
         listening = self.listener is not None and time.monotonic() >= self._accept_from
         out = {self.listener.fileno(): session.IN} if listening else {}  # type: ignore[union-attr]
         out.update((fd, session.IN) for fd in self._unbound)
+        wanted = session.IN if reading else 0
         for conn in self.by_cid.values():
-            out[conn.fd] = session.IN_OUT if conn.pending else session.IN
+            events = wanted | session.OUT if conn.pending else wanted
+            if events:
+                out[conn.fd] = events
         return out
 
     def accept(self) -> None:
@@ -107,13 +119,18 @@ class Sessions:
         cid, conn = bound
         send_zmq(socket, [*queued, (cid, session.SWITCHED)])
         self.by_cid[cid], self.cid_of[conn.fd] = conn, cid
+        self.version += 1
         return []
 
     def read(self, fd: int) -> tuple[list[bytes], bool]:
-        """A consumer's messages (at most 1000, so ticks still run under a flood), and True
-        if its connection closed (:meth:`drop` it then, under the lock)."""
+        """A consumer's messages, those stashed first (at most 1000 more, so ticks still run
+        under a flood), and True if its connection closed (:meth:`drop` it then); lock held."""
         conn = self.by_cid[self.cid_of[fd]]
-        frames: list[bytes] = []
+        frames = self.stashed.pop(fd, [])
+        if frames:
+            self.version += 1  # (the caller's thread polls it again)
+            if frames[-1] == b"":
+                return frames[:-1], True
         for _ in range(1000):
             frame = conn.recv(protocol.MAX_REQUEST_BYTES)
             if frame is None:
@@ -177,6 +194,8 @@ class Sessions:
     def _close(self, cid: Hashable, conn: session.Connection) -> None:
         del self.by_cid[cid]
         self.cid_of.pop(conn.fd, None)
+        self.stashed.pop(conn.fd, None)
+        self.version += 1
         conn.close()
 
     def close(self) -> None:

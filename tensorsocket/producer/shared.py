@@ -4,7 +4,8 @@ The caller's thread (publishing) and the I/O thread (the socket) meet only here.
 is read and written under ``changed`` (a Condition over one lock), except where noted:
 
 * ``flow``: both threads (publish / release, join / leave).
-* ``peers``: the I/O thread adds and drops them; the caller's thread reads them.
+* ``peers``: the I/O thread adds and drops them; the caller's thread reads them, and notes
+  a consumer's RELEASE, STATS and HEARTBEAT in them (``apply_routine``) when it reads those.
 * ``outbox``: both queue frames (``post``) in the order the flow decided them; the I/O thread
   drains it. A frame for a consumer on a session goes straight to its connection instead
   (``direct``, set by the I/O thread) while nothing is queued before it: the caller's thread
@@ -16,6 +17,12 @@ is read and written under ``changed`` (a Condition over one lock), except where 
 * ``layouts``: the caller's thread numbers layouts; the I/O thread reads them for WELCOME.
 * ``first_join``, ``departed``: the I/O thread; ``replay_places``: the caller's thread.
 * ``stop``: an Event, set by close() from any thread; ``wakeup``: any thread pokes it.
+* ``publisher_at``, ``publisher_polling``: the caller's thread's turn at the consumers'
+  sessions (:mod:`.session_turns`): while it lasts, the I/O thread reads them only for what
+  the caller's thread left it, and before a ZeroMQ message. The I/O thread reads both
+  without the lock (a stale answer costs a wake-up or a poll's delay), and the caller's
+  thread clears ``publisher_polling`` without it when a wait ends. ``publisher_wakeup``:
+  poked by :meth:`Shared.notify` while the caller's thread polls.
 """
 
 from __future__ import annotations
@@ -35,6 +42,9 @@ from ..protocol import Kind
 from ..status import ConsumerStatus, GroupStatus, ProducerStatus, Report, rates
 from ..transport import Store
 from ..wakeup import Wakeup
+
+TICK = 0.05  # seconds between liveness checks, and the longest any wait goes unchecked
+_ROUTINE = frozenset((Kind.RELEASE, Kind.STATS, Kind.HEARTBEAT))
 
 
 @dataclass
@@ -105,6 +115,30 @@ class Shared:
             "bad_messages": 0,
         }
         self.born = time.monotonic()
+        self.publisher_at = 0.0  # (monotonic) the caller's thread last read the sessions; 0: handed over
+        self.publisher_polling = False  # it sleeps in poll() on them (and on publisher_wakeup)
+        self.publisher_wakeup = Wakeup()
+
+    def notify(self) -> None:
+        """Wake whoever waits for a change (lock held): the condition's waiters, and the caller's
+        thread if it sleeps polling the sessions instead."""
+        self.changed.notify_all()
+        if self.publisher_polling:
+            self.publisher_wakeup.wake()
+
+    def apply_routine(self, cid: Hashable, kind: Kind, msg: dict[str, Any], now: float) -> bool:
+        """Apply a joined consumer's RELEASE, STATS or HEARTBEAT (lock held): the messages that
+        come with every few batches, which either thread applies. False for any other message
+        (the I/O thread's to apply)."""
+        peer = self.peers.get(cid)
+        if peer is None or kind not in _ROUTINE:
+            return False
+        peer.last_seen = now
+        if kind is Kind.RELEASE:
+            self.send_all(self.flow.release(cid, msg["seqs"]))
+        elif kind is Kind.STATS:
+            peer.stats.append((now, msg["taken_batches"], msg["taken_samples"], float(msg["waiting"])))
+        return True
 
     def post(self, cid: Hashable, frame: bytes) -> None:
         """Send ``frame`` to ``cid`` over its session, or queue it for the I/O thread when it
