@@ -15,7 +15,14 @@ Variants, one after the other in the same run:
 * ``zeromq``: as ``read-only``, but the producer offers no sessions (``TENSORSOCKET_SESSION=0``),
   so every message goes over ZeroMQ (what every consumer did before sessions).
 
-    python3 -m benchmarks.protocol_cost [--batches 5000] [--consumers 1,4] [--repeat 3]
+Then, unless ``--no-goals``, issue 18's goals next to their floors, measured in the same run:
+each round also runs ``benchmarks.lean_path``'s one-thread prototype (tensorsocket's own
+per-batch code over bare Unix sockets, no heartbeats or liveness: a floor for CPU and
+batches/s), and at the end ``benchmarks.overhead`` times ``next()`` after a 20 ms step for
+1 MiB and 64 MiB batches against one bare view after the same sleep. The JPEG-scenario goal
+takes minutes and runs on its own (``python3 -m benchmarks.sharing``).
+
+    python3 -m benchmarks.protocol_cost [--batches 5000] [--consumers 1,4] [--repeat 3] [--no-goals]
     # -> benchmarks/results/protocol_cost-<host>-<date>.json
 """
 
@@ -195,6 +202,45 @@ def ratios(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     }
 
 
+def goal_table(
+    summary: list[dict[str, Any]], lean: dict[int, dict[str, float]], latency: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """Issue 18's goals: each one's figure from this run, its floor from the same run, and
+    whether it is met. ``lean``: the one-thread prototype's medians by consumer count;
+    ``latency``: a :func:`benchmarks.overhead.run` result."""
+    rows: list[dict[str, Any]] = []
+    for row in summary:
+        n, ours, floor = row["consumers"], row["read-only"], lean[row["consumers"]]
+        for key, what, target in (
+            ("consumer_cpu_us_per_batch", f"consumer CPU per batch, {n} consumer(s) (us)", 60.0),
+            ("producer_cpu_us_per_batch", f"producer CPU per batch, {n} consumer(s) (us)", 60.0 + 15.0 * n),
+        ):
+            rows.append({"goal": what, "measured": ours[key], "floor": floor[key], "target": target,
+                         "met": ours[key] <= target})  # fmt: skip
+        if n == 4:
+            b = ours["batches_per_s"]
+            rows.append({"goal": "batches/s, 4 consumers", "measured": b, "floor": floor["batches_per_s"],
+                         "target": 5000.0, "met": b >= 5000.0})  # fmt: skip
+    for size, r in latency["sizes"].items():
+        bare = r["floor"]["after_step"]["p50_us"]
+        rows.append({"goal": f"next() after a 20 ms step, {size}, p50 (us)", "measured": r["next"]["p50_us"],
+                     "floor": bare, "target": 2 * bare, "met": r["next"]["p50_us"] <= 2 * bare})  # fmt: skip
+    return rows
+
+
+def format_goals(rows: list[dict[str, Any]]) -> str:
+    """The goals table, as printed: the floor is lean_path's for CPU and batches/s, a bare
+    view after the same sleep for next()."""
+    out = [f"{'goal':<48} {'measured':>9} {'floor':>9} {'target':>9}  met"]
+    for r in rows:
+        out.append(
+            f"{r['goal']:<48} {r['measured']:>9.1f} {r['floor']:>9.1f} {r['target']:>9.1f}  "
+            + ("yes" if r["met"] else "no")
+        )
+    out.append("(the JPEG-scenario goals: python3 -m benchmarks.sharing)")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batches", type=int, default=5000)
@@ -202,14 +248,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeat", type=int, default=3, help="runs of each (variant, count), round-robin")
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--no-goals", action="store_true", help="skip the floors and the goals table")
     args = parser.parse_args(argv)
     counts = [int(c) for c in args.consumers.split(",")]
-    runs = []
+    from benchmarks import lean_path, overhead  # (lean_path imports this module)
+
+    runs, floors = [], []
     for rep in range(args.repeat):
         for consumers in counts:
             for variant in VARIANTS:
                 r = run_once(variant, consumers, args.batches, args.timeout) | {"run": rep + 1}
                 runs.append(r)
+                print(line(r), flush=True)
+            if not args.no_goals:
+                r = lean_path.run_lean("lean", consumers, args.batches, args.timeout) | {"run": rep + 1}
+                floors.append(r)
                 print(line(r), flush=True)
     summary = []
     for consumers in counts:
@@ -221,6 +274,11 @@ def main(argv: list[str] | None = None) -> None:
         row["read_only_over_zeromq"] = ratios(row["read-only"], row["zeromq"])  # what sessions change
         print(f"x{consumers}: read-only (sessions) / zeromq: {row['read_only_over_zeromq']}")
         summary.append(row)
+    goals = None
+    if not args.no_goals:
+        latency = overhead.run(step_ms=20.0)
+        goals = goal_table(summary, {c: medians(floors, c, ["lean"])["lean"] for c in counts}, latency)
+        print(format_goals(goals))
     result = {
         "benchmark": "protocol_cost",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -228,7 +286,9 @@ def main(argv: list[str] | None = None) -> None:
         "machine": machine(),
         "config": {"batches": args.batches, "batch": "(float32 32x16, int64 32)", "slots": 8, "replay": 0},
         "summary": summary,
+        "goals": goals,
         "runs": runs,
+        "floor_runs": floors,
     }
     print(f"wrote {write(result, 'protocol_cost', folder=args.out or RESULTS)}")
 
