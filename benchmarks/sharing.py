@@ -87,12 +87,14 @@ def _consumer_trainer(name: str, epochs: int, step_s: float, out: Any) -> None:
     out.put(report)
 
 
-def _producer(root: str, name: str, workers: int, epochs: int, consumers: int, out: Any) -> None:
+def _producer(
+    root: str, name: str, workers: int, epochs: int, consumers: int, replay: int | None, out: Any
+) -> None:
     from tensorsocket import Producer
 
     torch.set_num_threads(1)
     loader = make_loader(root, batch_size=32, num_workers=workers)
-    producer = Producer(loader, name=name, slots=8, min_consumers=consumers)
+    producer = Producer(loader, name=name, slots=8, min_consumers=consumers, replay=replay)
     cpu0 = time.process_time()
     producer.serve(epochs=epochs)
     status = producer.status()
@@ -130,6 +132,7 @@ def run(
     data: Path | None = None,
     modes: tuple[str, ...] = ("single", "independent", "shared"),
     log: Any = print,
+    replay: int | None = None,
 ) -> dict[str, Any]:
     """Run the benchmark; return every figure (and what the run was) as a dict."""
     data = data or ROOT / "data" / f"jpeg-{images}"
@@ -151,7 +154,7 @@ def run(
         log(f"shared: one tensorsocket producer, {trainers} consumers ...")
         name = f"bench-{uuid.uuid4().hex[:8]}"
         targets = [(_consumer_trainer, (name, epochs, step_s))] * trainers
-        targets.append((_producer, (root, name, workers, epochs, trainers)))
+        targets.append((_producer, (root, name, workers, epochs, trainers, replay)))
         reports = _run(targets, timeout)
         result["producer"] = [r for r in reports if r.get("producer")]
         shared = [r for r in reports if not r.get("producer")]
@@ -183,6 +186,7 @@ def run(
             "batch_size": 32,
             "image_size": 224,
             "workers_per_loader": workers,
+            "replay_bytes": replay,  # None: the producer's default budget
         },
         "per_trainer_samples_per_s": summary,
         "runs": result,
@@ -223,9 +227,12 @@ def main() -> None:
     )
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers per loader")
+    parser.add_argument(
+        "--replay", type=int, default=None, help="the producer's replay budget in bytes (default: its own)"
+    )
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
-    result = run(args.trainers, args.step_ms, args.images, args.epochs, args.workers)
+    result = run(args.trainers, args.step_ms, args.images, args.epochs, args.workers, replay=args.replay)
     print(json.dumps(result["per_trainer_samples_per_s"], indent=2))
     for r in result["runs"].get("shared", []):
         print(f"shared consumer exact={r['exact']} batches/epoch={r['batches_per_epoch']}")
