@@ -25,11 +25,10 @@ from ..host import boot_id, pid_alive, pid_namespace, same_host
 from ..protocol import Kind
 from .session_turns import HANDOVER, publisher_turn
 from .sessions import Sessions, send_zmq
-from .shared import TICK, Peer, Shared
+from .shared import TICK, TICK_MS, Peer, Shared
 
 log = logging.getLogger("tensorsocket")
 
-_TICK_MS = int(TICK * 1000)
 _MAX_HEARTBEAT = 1.0
 _BIND_TIMEOUT = 30.0
 
@@ -91,7 +90,7 @@ class IoLoop:
             while not shared.stop.is_set():
                 turn = publisher_turn(shared)
                 polled = _repoll(poller, polled, self.sessions.fds(not turn))
-                events = dict(poller.poll(_turn_left_ms(shared) if self.declined else _TICK_MS))
+                events = dict(poller.poll(_turn_left_ms(shared) if self.declined else TICK_MS))
                 self.declined = False
                 if shared.wakeup.fd in events:
                     shared.wakeup.drain()
@@ -133,11 +132,11 @@ class IoLoop:
                     peer.last_sent = now
                 if not self.sessions.send(self.socket, cid, frame):
                     zmq_frames.append((cid, frame))
+            version = self.sessions.version
             if switch is not None:
                 zmq_frames = self.sessions.switch(self.socket, switch, zmq_frames)
-            version = self.sessions.version
             self.sessions.close_gone(shared.peers)
-            if self.sessions.version != version or switch is not None:
+            if self.sessions.version != version:
                 shared.notify()  # (a publishing thread asleep on the sessions polls anew)
         send_zmq(self.socket, zmq_frames)
 
@@ -362,7 +361,7 @@ def _turn_left_ms(shared: Shared) -> int:
     """How long the publishing thread's turn lasts yet: the I/O thread, having left a message
     to it, polls no longer than that (it may not come back to read it: a slow loader)."""
     left = shared.publisher_at + HANDOVER - time.monotonic()
-    return min(_TICK_MS, max(0, int(left * 1000) + 1))
+    return min(TICK_MS, max(0, int(left * 1000) + 1))
 
 
 def _heartbeat_interval(peer: Peer) -> float:

@@ -32,11 +32,9 @@ from collections.abc import Callable
 from .. import protocol
 from ..errors import ProtocolError
 from .sessions import Sessions
-from .shared import TICK, Shared
+from .shared import TICK_MS, Shared
 
 HANDOVER = 0.005  # seconds after the publishing thread last read that its turn lasts
-_MAX_READ = 1000  # messages read from one connection at a time (a flood still lets the rest run)
-_TICK_MS = int(TICK * 1000)
 
 
 def publisher_turn(shared: Shared) -> bool:
@@ -76,24 +74,25 @@ class SessionTurns:
         return not sessions.stashed
 
     def _read(self, fd: int) -> None:
+        """Apply ``fd``'s messages up to the first that is not routine; leave that one, and all
+        after it (the connection's end too), to the I/O thread."""
         shared, sessions = self.shared, self.sessions
         cid = sessions.cid_of[fd]
-        if fd in sessions.stashed:
-            return
-        conn, now = sessions.by_cid[cid], time.monotonic()
-        for _ in range(_MAX_READ):
-            frame = conn.recv(protocol.MAX_REQUEST_BYTES)
-            if frame is None:
-                return
+        frames, closed = sessions.read(fd)  # (none stashed: a stashed fd is not polled here)
+        now, applied = time.monotonic(), 0
+        for frame in frames:
             try:
-                kind, msg = protocol.decode(frame) if frame else (None, {})
+                kind, msg = protocol.decode(frame)
             except ProtocolError:
-                kind = None
-            if kind is None or not shared.apply_routine(cid, kind, msg, now):
-                sessions.stashed[fd] = [frame]  # the I/O thread's, and all after it
-                sessions.version += 1
-                shared.wakeup.wake()
-                return
+                break
+            if not shared.apply_routine(cid, kind, msg, now):
+                break
+            applied += 1
+        if applied == len(frames) and not closed:
+            return
+        sessions.stashed[fd] = frames[applied:] + ([b""] if closed else [])  # the I/O thread's
+        sessions.version += 1
+        shared.wakeup.wake()
 
     def wait(self, reserved: Callable[[], bool], check: Callable[[], None]) -> None:
         """Wait until ``reserved()`` got a batch its place, reading the sessions meanwhile;
@@ -108,7 +107,7 @@ class SessionTurns:
                         return
                     check()
                     shared.publisher_polling = True  # (under the lock: no poke after it is missed)
-                self._poll.poll(_TICK_MS)  # a consumer's message, a poke, or a tick
+                self._poll.poll(TICK_MS)  # a consumer's message, a poke, or a tick
                 shared.publisher_wakeup.drain()
         finally:  # (a signal's exception too: the I/O thread must read the sessions again)
             shared.publisher_polling = False

@@ -40,9 +40,8 @@ class Sessions:
         self.cid_of: dict[int, Hashable] = {}  # by fd
         # by fd: frames the caller's thread read but left to the I/O thread, read first (b"": closed)
         self.stashed: dict[int, list[bytes]] = {}
-        self.version = (
-            0  # moves when the connections or their stashes change (the caller's thread polls them)
-        )
+        # moves when the connections or their stashes change (the caller's thread polls them)
+        self.version = 0
 
     def offer(self, cid: Hashable) -> list[str] | None:
         """WELCOME's ``session`` for ``cid``: the address and a fresh token, or None."""

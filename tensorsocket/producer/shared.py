@@ -44,6 +44,7 @@ from ..transport import Store
 from ..wakeup import Wakeup
 
 TICK = 0.05  # seconds between liveness checks, and the longest any wait goes unchecked
+TICK_MS = int(TICK * 1000)
 _ROUTINE = frozenset((Kind.RELEASE, Kind.STATS, Kind.HEARTBEAT))
 
 
