@@ -38,10 +38,44 @@ RESULTS = ROOT / "benchmarks" / "results"
 SPAWN = mp.get_context("spawn")
 
 
-def _train(batches: Any, epochs: int, step_s: float) -> dict[str, Any]:
-    """Consume ``epochs`` epochs of ``batches`` with a simulated step; return the rate."""
+def tree_cpu(root: int) -> dict[int, list[float]]:
+    """CPU seconds so far of ``root`` and of every process under it, by pid, from /proc:
+    ``[parent pid, user, system, children]`` (children: of the ones it waited for, gone)."""
+    hz = os.sysconf("SC_CLK_TCK")
+    table: dict[int, list[float]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()  # (the name may hold spaces)
+        except OSError:
+            continue  # gone meanwhile
+        ppid, user, system, c_user, c_system = (int(fields[i]) for i in (1, 11, 12, 13, 14))
+        table[int(entry)] = [ppid, user / hz, system / hz, (c_user + c_system) / hz]
+    under, grew = {root}, True
+    while grew:
+        more = {pid for pid, row in table.items() if row[0] in under} - under
+        under |= more
+        grew = bool(more)
+    return {pid: table[pid] for pid in under if pid in table}
+
+
+def _window_cpu(before: dict[int, list[float]], after: dict[int, list[float]]) -> dict[str, list[float]]:
+    """What each process spent between two :func:`tree_cpu` readings (JSON keys: pid strings)."""
+    out = {}
+    for pid, (ppid, user, system, children) in after.items():
+        b = before.get(pid, [ppid, 0.0, 0.0, 0.0])
+        out[str(pid)] = [ppid, round(user - b[1], 3), round(system - b[2], 3), round(children - b[3], 3)]
+    return out
+
+
+def _train(batches: Any, epochs: int, step_s: float, watch: int | None = None) -> dict[str, Any]:
+    """Consume ``epochs`` epochs of ``batches`` with a simulated step; return the rate. With
+    ``watch`` (a pid), also what every process under it spent in CPU meanwhile (by pid)."""
     samples = counted = 0
     start = None
+    cpu_before: dict[int, list[float]] = {}
     cpu0 = time.process_time()
     per_epoch = []
     gpu = torch.cuda.is_available()
@@ -53,6 +87,7 @@ def _train(batches: Any, epochs: int, step_s: float) -> dict[str, Any]:
                 torch.cuda.synchronize()
             if start is None:  # the clock starts at the first batch: start-up is not rate
                 start = time.perf_counter()
+                cpu_before = tree_cpu(watch) if watch else {}
             else:
                 samples += images.shape[0]
             assert images.shape[1:] == (3, 224, 224) and labels.shape[0] == images.shape[0]
@@ -63,6 +98,9 @@ def _train(batches: Any, epochs: int, step_s: float) -> dict[str, Any]:
         per_epoch.append(n)
     elapsed = time.perf_counter() - (start or time.perf_counter())
     return {
+        "pid": os.getpid(),
+        "cpu_window": _window_cpu(cpu_before, tree_cpu(watch)) if watch else None,
+        "samples": samples,
         "samples_per_s": samples / elapsed if elapsed else 0.0,
         "batches": counted,
         "batches_per_epoch": per_epoch,
@@ -71,18 +109,20 @@ def _train(batches: Any, epochs: int, step_s: float) -> dict[str, Any]:
     }
 
 
-def _own_loader_trainer(root: str, workers: int, epochs: int, step_s: float, out: Any) -> None:
+def _own_loader_trainer(
+    root: str, workers: int, epochs: int, step_s: float, watch: int | None, out: Any
+) -> None:
     torch.set_num_threads(1)
-    report = _train(make_loader(root, batch_size=32, num_workers=workers), epochs, step_s)
+    report = _train(make_loader(root, batch_size=32, num_workers=workers), epochs, step_s, watch)
     out.put(report)
 
 
-def _consumer_trainer(name: str, epochs: int, step_s: float, out: Any) -> None:
+def _consumer_trainer(name: str, epochs: int, step_s: float, watch: int | None, out: Any) -> None:
     from tensorsocket import Consumer
 
     torch.set_num_threads(1)
     with Consumer(name=name, timeout=60) as consumer:
-        report = _train(consumer, epochs, step_s)
+        report = _train(consumer, epochs, step_s, watch)
         report["len"] = len(consumer)
     out.put(report)
 
@@ -101,6 +141,7 @@ def _producer(
     out.put(
         {
             "producer": True,
+            "pid": os.getpid(),
             "main_process_cpu_s": time.process_time() - cpu0,
             **{k: status[k] for k in ("published", "loader_wait", "publish_time", "slot_bytes")},
         }
@@ -144,16 +185,19 @@ def run(
     result: dict[str, Any] = {}
     if "single" in modes:
         log("single: one trainer, its own DataLoader ...")
-        result["single"] = _run([(_own_loader_trainer, (root, workers, epochs, step_s))], timeout)
+        result["single"] = _run(
+            [(_own_loader_trainer, (root, workers, epochs, step_s, os.getpid()))], timeout
+        )
     if "independent" in modes:
         log(f"independent: {trainers} trainers, each its own DataLoader ...")
         result["independent"] = _run(
-            [(_own_loader_trainer, (root, workers, epochs, step_s))] * trainers, timeout
+            [(_own_loader_trainer, (root, workers, epochs, step_s, None))] * trainers, timeout
         )
     if "shared" in modes:
         log(f"shared: one tensorsocket producer, {trainers} consumers ...")
         name = f"bench-{uuid.uuid4().hex[:8]}"
-        targets = [(_consumer_trainer, (name, epochs, step_s))] * trainers
+        targets = [(_consumer_trainer, (name, epochs, step_s, os.getpid()))]
+        targets += [(_consumer_trainer, (name, epochs, step_s, None))] * (trainers - 1)
         targets.append((_producer, (root, name, workers, epochs, trainers, replay)))
         reports = _run(targets, timeout)
         result["producer"] = [r for r in reports if r.get("producer")]
@@ -170,6 +214,11 @@ def run(
         return sum(rates) / len(rates) if rates else float("nan")
 
     summary = {mode: round(mean(mode), 1) for mode in result if mode != "producer"}
+    cpu = {
+        mode: where_cpu_went(result[mode], result.get("producer", []))
+        for mode in ("single", "shared")
+        if mode in result
+    }
     if "shared" in result and "independent" in result:
         summary["shared_over_independent"] = round(mean("shared") / mean("independent"), 2)
     if "shared" in result and "single" in result:
@@ -189,8 +238,36 @@ def run(
             "replay_bytes": replay,  # None: the producer's default budget
         },
         "per_trainer_samples_per_s": summary,
+        # machine CPU while the first trainer ran (first batch to last), ms per batch, by role
+        "cpu_ms_per_batch": cpu,
         "runs": result,
     }
+
+
+def where_cpu_went(trainers: list[dict[str, Any]], producers: list[dict[str, Any]]) -> dict[str, float]:
+    """CPU ms per batch (user + system) of each role while the watching trainer ran: the
+    trainers (consumers), the producer's own process, the DataLoader workers (under the
+    producer, or under a trainer with its own loader), and the rest (the benchmark itself)."""
+    watched = next((r for r in trainers if r.get("cpu_window")), None)
+    if watched is None or not watched["samples"]:
+        return {}
+    window = {int(pid): row for pid, row in watched["cpu_window"].items()}
+    trainer_pids = {r["pid"] for r in trainers}
+    producer_pids = {r["pid"] for r in producers}
+    owners = trainer_pids | producer_pids  # a DataLoader's workers are under one of these
+    roles = {"trainers": 0.0, "producer": 0.0, "loader_workers": 0.0, "other": 0.0}
+    for pid, (ppid, user, system, children) in window.items():
+        if pid in trainer_pids or pid in producer_pids:
+            roles["trainers" if pid in trainer_pids else "producer"] += user + system
+            roles["loader_workers"] += children  # workers it waited for, gone
+        elif ppid in owners:
+            roles["loader_workers"] += user + system
+        else:
+            roles["other"] += user + system + children
+    per_batch = 1000 / (watched["samples"] / 32)
+    out = {role: round(seconds * per_batch, 2) for role, seconds in roles.items()}
+    out["total"] = round(sum(roles.values()) * per_batch, 2)
+    return out
 
 
 def machine() -> dict[str, Any]:
@@ -234,6 +311,8 @@ def main() -> None:
     args = parser.parse_args()
     result = run(args.trainers, args.step_ms, args.images, args.epochs, args.workers, replay=args.replay)
     print(json.dumps(result["per_trainer_samples_per_s"], indent=2))
+    for mode, roles in result["cpu_ms_per_batch"].items():
+        print(f"{mode}: machine CPU ms per batch, by role: {roles}")
     for r in result["runs"].get("shared", []):
         print(f"shared consumer exact={r['exact']} batches/epoch={r['batches_per_epoch']}")
     if not args.no_write:
