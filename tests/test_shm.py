@@ -15,6 +15,7 @@ import torch
 
 from tensorsocket import layout
 from tensorsocket.errors import ProtocolError
+from tensorsocket.transport import shm
 from tensorsocket.transport.shm import PREFIX, SHM_DIR, ArenaInfo, ShmReader, ShmStore, sweep_stale
 
 
@@ -67,6 +68,24 @@ def test_producer_and_consumer_views_share_memory_and_regrowth_is_announced():
         assert layout.fingerprint(region) == fingerprint
         tree, leaves = layout.check(big.encode(), grown.size)
         assert torch.equal(layout.build(tree, leaves, region), torch.arange(1 << 20))
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("advice", [shm._MADV_POPULATE_WRITE, 9999])  # 9999: refused, as by a kernel < 5.14
+def test_a_new_arena_is_written_and_read_with_or_without_madvise_populate(monkeypatch, advice):
+    monkeypatch.setattr(shm, "_MADV_POPULATE_WRITE", advice)
+    pool = ShmStore()
+    try:
+        batch = layout.plan(torch.arange(1 << 16, dtype=torch.float64))
+        info = ArenaInfo.decode(pool.install(pool.prepare(0, batch.nbytes))[0])
+        fingerprint = pool.write(0, batch).wait()
+        arenas = ShmReader(torch.device("cpu"))
+        arenas.announce(info.encode())
+        region = arenas.region(0, batch.nbytes)
+        assert layout.fingerprint(region) == fingerprint
+        tree, leaves = layout.check(batch.encode(), info.size)
+        assert torch.equal(layout.build(tree, leaves, region), torch.arange(1 << 16, dtype=torch.float64))
     finally:
         pool.close()
 

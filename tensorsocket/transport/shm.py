@@ -38,6 +38,7 @@ KIND = "shm"
 SHM_DIR = "/dev/shm"
 PREFIX = "tensorsocket-"
 _PAGE = mmap.PAGESIZE
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # (Linux's number where Python has no name for it)
 # What a consumer accepts as an announced segment name: one file directly in SHM_DIR.
 _SEGMENT_NAME = re.compile(re.escape(PREFIX) + r"[A-Za-z0-9_.-]{1,200}")
 
@@ -115,10 +116,19 @@ def _map(path: str, size: int, create: bool, writable: bool = True) -> mmap.mmap
                 ) from None
         elif os.fstat(fd).st_size < size:
             raise ValueError(f"shared-memory segment {path} is smaller than announced ({size} bytes)")
-        # MAP_POPULATE: take the page faults now, once, instead of on the first write (in the
-        # producer) or the first read (in a training step); for 64 MiB that is ~100 ms.
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        return mmap.mmap(fd, size, flags, mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
+        # Take the page faults now, once, instead of on the first write (in the producer) or
+        # the first read (in a training step); for 64 MiB that is ~100 ms.
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        if create:
+            # A new segment we are about to write: MADV_POPULATE_WRITE (Linux 5.14) made a
+            # 19 MB one in 11.5 ms against MAP_POPULATE's 14.2 (here, the copy after it the same).
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
+            try:
+                mm.madvise(_MADV_POPULATE_WRITE)
+                return mm
+            except OSError:  # an older kernel: MAP_POPULATE below
+                mm.close()
+        return mmap.mmap(fd, size, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot)
     finally:
         os.close(fd)
 
