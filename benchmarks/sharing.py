@@ -257,7 +257,7 @@ def where_cpu_went(trainers: list[dict[str, Any]], producers: list[dict[str, Any
     owners = trainer_pids | producer_pids  # a DataLoader's workers are under one of these
     roles = {"trainers": 0.0, "producer": 0.0, "loader_workers": 0.0, "other": 0.0}
     for pid, (ppid, user, system, children) in window.items():
-        if pid in trainer_pids or pid in producer_pids:
+        if pid in owners:
             roles["trainers" if pid in trainer_pids else "producer"] += user + system
             roles["loader_workers"] += children  # workers it waited for, gone
         elif ppid in owners:

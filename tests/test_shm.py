@@ -61,15 +61,21 @@ def test_producer_and_consumer_views_share_memory_and_regrowth_is_announced():
         grown = ArenaInfo.decode(pool.install(pool.prepare(0, big.nbytes))[0])
         assert grown.name != info.name and grown.size >= big.nbytes
         assert not os.path.exists(os.path.join(SHM_DIR, info.name))  # the old one is unlinked
-        fingerprint = pool.write(0, big).wait()
-        arenas = ShmReader(torch.device("cpu"))
-        arenas.announce(grown.encode())
-        region = arenas.region(0, big.nbytes)
-        assert layout.fingerprint(region) == fingerprint
-        tree, leaves = layout.check(big.encode(), grown.size)
-        assert torch.equal(layout.build(tree, leaves, region), torch.arange(1 << 20))
+        assert_read_back(pool, grown, big, torch.arange(1 << 20))
     finally:
         pool.close()
+
+
+def assert_read_back(pool: ShmStore, info: ArenaInfo, plan: layout.Plan, expected: torch.Tensor) -> None:
+    """Write ``plan`` into place 0 of ``pool`` (whose arena ``info`` describes) and check that a
+    consumer reads it back: the same fingerprint and the same tensor."""
+    fingerprint = pool.write(0, plan).wait()
+    arenas = ShmReader(torch.device("cpu"))
+    arenas.announce(info.encode())
+    region = arenas.region(0, plan.nbytes)
+    assert layout.fingerprint(region) == fingerprint
+    tree, leaves = layout.check(plan.encode(), info.size)
+    assert torch.equal(layout.build(tree, leaves, region), expected)
 
 
 @pytest.mark.parametrize("advice", [shm._MADV_POPULATE_WRITE, 9999])  # 9999: refused, as by a kernel < 5.14
@@ -79,13 +85,7 @@ def test_a_new_arena_is_written_and_read_with_or_without_madvise_populate(monkey
     try:
         batch = layout.plan(torch.arange(1 << 16, dtype=torch.float64))
         info = ArenaInfo.decode(pool.install(pool.prepare(0, batch.nbytes))[0])
-        fingerprint = pool.write(0, batch).wait()
-        arenas = ShmReader(torch.device("cpu"))
-        arenas.announce(info.encode())
-        region = arenas.region(0, batch.nbytes)
-        assert layout.fingerprint(region) == fingerprint
-        tree, leaves = layout.check(batch.encode(), info.size)
-        assert torch.equal(layout.build(tree, leaves, region), torch.arange(1 << 16, dtype=torch.float64))
+        assert_read_back(pool, info, batch, torch.arange(1 << 16, dtype=torch.float64))
     finally:
         pool.close()
 

@@ -68,8 +68,8 @@ class Link:
             self.watch(reading=True)
         assert self.conn is not None
         # At most a datagram: the producer sends anything larger over ZeroMQ (LARGE, below).
-        # (Python allocates the whole limit for every recvmsg, empty or not: 16 MiB there made
-        # a receive cost ~20 us instead of ~4 us here whenever malloc served it with mmap.)
+        # (Python allocates the whole limit for a recvmsg: in a bare process, 16 MiB made a
+        # receive cost ~20 us instead of ~4 us while malloc served that with mmap.)
         frame = self.conn.recv(session.MAX_DATAGRAM)
         if frame == session.LARGE:  # too large for a datagram: its bytes came over ZeroMQ
             deadline = time.monotonic() + self.large_within
