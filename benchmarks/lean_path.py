@@ -156,10 +156,7 @@ def _lean_produce(path: str, batches: int, consumers: int, threads: bool, out: A
             if new is not None:
                 frame = protocol.encode(Kind.LAYOUT, number=new[0], layout=new[1])
                 outbox.extend((cid, frame) for cid in range(consumers))
-            frame = protocol.encode(
-                Kind.BATCH, seq=flow.next_seq, epoch=flow.epoch, index=index, place=place, layout=ref,
-                fingerprint=None,
-            )  # fmt: skip
+            frame = protocol.encode_batch(flow.next_seq, flow.epoch, index, place, ref, None)
             send(flow.publish(place, frame))
         if threads:
             wakeup.wake()
@@ -217,7 +214,7 @@ def _lean_consume(path: str, threads: bool, out: Any) -> None:
             released.append(seq)
             wakeup.wake()
         else:
-            sock.send(protocol.encode(Kind.RELEASE, seqs=[seq]))
+            sock.send(protocol.encode_release([seq]))
 
     def handle(frame: bytes) -> tuple[Any, dict[str, Any]] | None:
         """A BATCH's (batch, message), END's (None, message); None for anything else."""
@@ -254,7 +251,7 @@ def _lean_consume(path: str, threads: bool, out: Any) -> None:
                     going = item[0] is not None
             seqs = [released.popleft() for _ in range(len(released))]
             if seqs:
-                sock.send(protocol.encode(Kind.RELEASE, seqs=seqs))
+                sock.send(protocol.encode_release(seqs))
 
     def next_item() -> tuple[Any, dict[str, Any]]:
         if threads:

@@ -26,7 +26,6 @@ import zmq
 
 from benchmarks.sharing import RESULTS, machine, write
 from tensorsocket import protocol
-from tensorsocket.protocol import Kind
 
 
 def per_call_us(fn: Callable[[], object], calls: int) -> float:
@@ -61,7 +60,7 @@ def whole_batch() -> tuple[Callable[[], object], Callable[[], None]]:
     table.number(encoded, key)  # numbered at its second sight, as a producer does
     number, entry = table.number(encoded, key)
     recipes = layout_table.Recipes([entry])
-    frame = protocol.encode(Kind.BATCH, seq=1, epoch=0, index=0, place=0, layout=number, fingerprint=None)
+    frame = protocol.encode_batch(1, 0, 0, 0, number, None)
 
     def one() -> None:
         _, msg = protocol.decode(frame, protocol.MAX_REPLY_BYTES)
@@ -83,7 +82,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--calls", type=int, default=20000)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    batch = protocol.encode(Kind.BATCH, seq=123456, epoch=3, index=77, place=5, layout=0, fingerprint=None)
+    batch = protocol.encode_batch(123456, 3, 77, 5, 0, None)
+    batch_map = protocol.encode(
+        protocol.Kind.BATCH, seq=123456, epoch=3, index=77, place=5, layout=0, fingerprint=None
+    )
     region = np.frombuffer(bytearray(4096), dtype=np.uint8)
 
     class Owner:
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     address = f"ipc:///tmp/step-costs-{uuid.uuid4().hex[:8]}.sock"
     receiver.bind(address)
     sender.connect(address)
-    release = protocol.encode(Kind.RELEASE, seqs=[5])
+    release = protocol.encode_release([5])
 
     def send_and_take() -> None:
         sender.send(release)
@@ -115,13 +117,18 @@ def main(argv: list[str] | None = None) -> None:
         del watch
 
     steps = {
-        "decode a BATCH message (msgpack + checks)": lambda: protocol.decode(batch, protocol.MAX_REPLY_BYTES),
+        "decode a BATCH message (compact form + checks)": lambda: protocol.decode(
+            batch, protocol.MAX_REPLY_BYTES
+        ),
         "a float32 (32, 16) tensor over shared memory": lambda: torch.from_numpy(
             region[:2048].view(np.float32).reshape(32, 16)
         ),
         "weakref.finalize on a batch's owner (made and run)": lambda: weakref.finalize(Owner(), int)(),
         "a weak reference with a callback, as a release uses (made and fired)": weak_reference,
-        "encode a RELEASE": lambda: protocol.encode(Kind.RELEASE, seqs=[5]),
+        "decode a BATCH message as a msgpack map (+ checks), its form before": lambda: protocol.decode(
+            batch_map, protocol.MAX_REPLY_BYTES
+        ),
+        "encode a RELEASE": lambda: protocol.encode_release([5]),
         "zmq send + recv of a RELEASE, one thread (no wake-up)": send_and_take,
         "the same over a Unix SEQPACKET socket pair (no I/O thread)": send_and_take_unix,
         "time.monotonic()": time.monotonic,

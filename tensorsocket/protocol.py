@@ -1,6 +1,9 @@
 """Wire messages: their kinds, msgpack encoding and strict validation. No pickle anywhere.
 
-Every message is one ZeroMQ frame holding a msgpack map ``{"k": kind, ...fields}``. Decoding
+Every message is one frame holding a msgpack map ``{"k": kind, ...fields}``, except the two
+sent for every batch, BATCH and RELEASE, which :func:`encode_batch` and :func:`encode_release`
+pack into a fixed binary form (see :data:`COMPACT`): decoding a BATCH map took 2.9 us of a
+consumer's ~60 us per batch, the compact form 1.1 us (``benchmarks.step_costs``). Decoding
 checks the kind, every field's type and range and the total size, so a malformed or hostile
 frame raises :class:`ProtocolError` and can never reach the state machine. The handshake
 (HELLO) carries :data:`VERSION`; a peer speaking another version is refused.
@@ -8,6 +11,7 @@ frame raises :class:`ProtocolError` and can never reach the state machine. The h
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 from enum import Enum
 from typing import Any
@@ -16,7 +20,7 @@ import msgpack
 
 from .errors import ProtocolError
 
-VERSION = 9
+VERSION = 10
 #: Largest frame a consumer may send; the producer also sets ZMQ_MAXMSGSIZE to this.
 MAX_REQUEST_BYTES = 64 * 1024
 #: Largest frame a producer may send (a BATCH whose layout has very many leaves).
@@ -24,6 +28,16 @@ MAX_REPLY_BYTES = 16 * 1024 * 1024
 #: Most seqs one RELEASE may carry; a consumer sends more in several messages.
 MAX_RELEASE_SEQS = 4096
 _MAX_INT = 2**63 - 1
+#: First byte of a compact frame: 0xc1 is the one byte msgpack never uses, so no msgpack
+#: message starts with it. Then a kind byte and fixed little-endian fields:
+#: BATCH: seq, epoch, index (u64), place, layout number (u32), fingerprint (u64), has one (u8);
+#: RELEASE: its seqs (u64 each).
+COMPACT = 0xC1
+_BATCH_TAG, _RELEASE_TAG = 1, 2
+_BATCH = struct.Struct("<BBQQQIIQB")
+_BATCH_HEAD = bytes([COMPACT, _BATCH_TAG])
+_RELEASE_HEAD = bytes([COMPACT, _RELEASE_TAG])
+_MAX_PLACE = 1 << 16
 #: A consumer's late-join policies (tensorsocket.flow.LateJoin values).
 LATE_JOIN = ("replay", "next_epoch", "now")
 #: Where batches live: host shared memory or GPU memory shared by CUDA IPC.
@@ -213,10 +227,60 @@ def encode(kind: Kind, **fields: Any) -> bytes:
     return msgpack.packb(fields, use_bin_type=True)
 
 
+def encode_batch(seq: int, epoch: int, index: int, place: int, layout: Any, fingerprint: int | None) -> bytes:
+    """A BATCH message: compact when its layout is a number (the usual case: a layout that
+    repeats is announced once, then named), else a msgpack map carrying the layout itself."""
+    if type(layout) is not int:
+        return encode(
+            Kind.BATCH, seq=seq, epoch=epoch, index=index, place=place, layout=layout, fingerprint=fingerprint
+        )
+    has = fingerprint is not None
+    return _BATCH.pack(COMPACT, _BATCH_TAG, seq, epoch, index, place, layout, fingerprint if has else 0, has)
+
+
+def encode_release(seqs: list[int]) -> bytes:
+    """A RELEASE message (compact) for at most :data:`MAX_RELEASE_SEQS` seqs."""
+    return _RELEASE_HEAD + struct.pack(f"<{len(seqs)}Q", *seqs)
+
+
+def _decode_compact(frame: bytes) -> tuple[Kind, dict[str, Any]]:
+    n = len(frame)
+    if frame[:2] == _BATCH_HEAD:
+        if n != _BATCH.size:
+            raise ProtocolError(f"compact batch message of {n} bytes, expected {_BATCH.size}")
+        _, _, seq, epoch, index, place, layout, fingerprint, has = _BATCH.unpack(frame)
+        if seq > _MAX_INT or epoch > _MAX_INT or index > _MAX_INT or place > _MAX_PLACE or has > 1:
+            raise ProtocolError(
+                f"batch message has a bad field: seq {seq}, epoch {epoch}, index {index}, place {place}, "
+                f"fingerprint flag {has}"
+            )
+        return Kind.BATCH, {
+            "seq": seq,
+            "epoch": epoch,
+            "index": index,
+            "place": place,
+            "layout": layout,
+            "fingerprint": fingerprint if has else None,
+        }
+    if frame[:2] == _RELEASE_HEAD:
+        count, rest = divmod(n - 2, 8)
+        if rest or count > MAX_RELEASE_SEQS:
+            raise ProtocolError(
+                f"compact release message of {n} bytes: not 2 + 8 per seq, or more than {MAX_RELEASE_SEQS} seqs"
+            )
+        seqs = list(struct.unpack_from(f"<{count}Q", frame, 2))
+        if seqs and max(seqs) > _MAX_INT:
+            raise ProtocolError(f"release message has a bad seq: {max(seqs)}")
+        return Kind.RELEASE, {"seqs": seqs}
+    raise ProtocolError(f"unknown compact message kind {frame[1:2]!r}")
+
+
 def decode(frame: bytes, max_bytes: int = MAX_REQUEST_BYTES) -> tuple[Kind, dict[str, Any]]:
     """Decode and validate one frame; raise ProtocolError naming what was wrong."""
     if len(frame) > max_bytes:
         raise ProtocolError(f"message of {len(frame)} bytes exceeds the {max_bytes}-byte limit")
+    if frame[:1] == b"\xc1":
+        return _decode_compact(frame)
     n = len(frame)  # no string, container or ext in a frame can be longer than the frame
     try:
         msg = msgpack.unpackb(

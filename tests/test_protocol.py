@@ -537,3 +537,93 @@ def test_shm_descriptors_are_decoded_strictly(descriptor):
     protocol.decode(protocol.encode(Kind.ARENA, arena=descriptor), protocol.MAX_REPLY_BYTES)
     with pytest.raises(ProtocolError, match="shm arena descriptor"):
         ArenaInfo.decode(descriptor)
+
+
+# ---------------------------------------------------------------------------- compact BATCH and RELEASE
+
+U64 = 2**64 - 1
+COMPACT_BATCHES = [
+    (0, 0, 0, 0, 0, None),
+    (7, 2, 3, 1, 3, 123456789),
+    (2**63 - 1, 2**63 - 1, 2**63 - 1, 1 << 16, 2**32 - 1, U64),
+    (5, 0, 4, 2, 1, 0),  # a fingerprint of 0 is still one
+]
+
+
+@pytest.mark.parametrize("fields", COMPACT_BATCHES)
+def test_compact_batch_decodes_as_its_map_form(fields: tuple[Any, ...]) -> None:
+    """The compact BATCH means exactly what the msgpack map with the same fields means."""
+    frame = protocol.encode_batch(*fields)
+    assert frame[0] == protocol.COMPACT and len(frame) < len(protocol.encode(Kind.BATCH, **_batch(fields)))
+    assert protocol.decode(frame) == protocol.decode(protocol.encode(Kind.BATCH, **_batch(fields)))
+    _decode_or_protocol_error(frame)
+
+
+def _batch(fields: tuple[Any, ...]) -> dict[str, Any]:
+    return dict(zip(("seq", "epoch", "index", "place", "layout", "fingerprint"), fields, strict=True))
+
+
+def test_a_batch_carrying_its_layout_travels_as_a_map() -> None:
+    frame = protocol.encode_batch(7, 2, 3, 1, _layout(), None)
+    assert frame[0] != protocol.COMPACT
+    assert protocol.decode(frame) == (Kind.BATCH, _batch((7, 2, 3, 1, _layout(), None)))
+
+
+@pytest.mark.parametrize("seqs", [[], [0], [1, 2, 3], [2**63 - 1], list(range(protocol.MAX_RELEASE_SEQS))])
+def test_compact_release_decodes_as_its_map_form(seqs: list[int]) -> None:
+    frame = protocol.encode_release(seqs)
+    assert frame[0] == protocol.COMPACT
+    assert (
+        protocol.decode(frame)
+        == protocol.decode(protocol.encode(Kind.RELEASE, seqs=seqs))
+        == (
+            Kind.RELEASE,
+            {"seqs": seqs},
+        )
+    )
+
+
+_GOOD_BATCH = protocol.encode_batch(7, 2, 3, 1, 3, 99)
+BAD_COMPACT = {
+    "empty after the mark": b"\xc1",
+    "unknown compact kind": b"\xc1\x09" + bytes(41),
+    "batch one byte short": _GOOD_BATCH[:-1],
+    "batch one byte long": _GOOD_BATCH + b"\x00",
+    "batch seq past int64": struct.pack("<BBQQQIIQB", 0xC1, 1, 2**63, 0, 0, 0, 0, 0, 0),
+    "batch epoch past int64": struct.pack("<BBQQQIIQB", 0xC1, 1, 0, U64, 0, 0, 0, 0, 0),
+    "batch index past int64": struct.pack("<BBQQQIIQB", 0xC1, 1, 0, 0, 2**63, 0, 0, 0, 0),
+    "batch place past the limit": struct.pack("<BBQQQIIQB", 0xC1, 1, 0, 0, 0, (1 << 16) + 1, 0, 0, 0),
+    "batch fingerprint flag neither 0 nor 1": struct.pack("<BBQQQIIQB", 0xC1, 1, 0, 0, 0, 0, 0, 5, 2),
+    "release not whole seqs": b"\xc1\x02" + bytes(9),
+    "release seq past int64": b"\xc1\x02" + struct.pack("<2Q", 1, 2**63),
+    "release with too many seqs": protocol.encode_release([1] * (protocol.MAX_RELEASE_SEQS + 1)),
+}
+
+
+@pytest.mark.parametrize("frame", list(BAD_COMPACT.values()), ids=list(BAD_COMPACT))
+def test_bad_compact_frames_are_rejected(frame: bytes) -> None:
+    with pytest.raises(ProtocolError, match="compact|bad"):
+        protocol.decode(frame, protocol.MAX_REPLY_BYTES)
+
+
+@FAST
+@given(st.sampled_from([b"\xc1", b"\xc1\x01", b"\xc1\x02"]), st.binary(max_size=80))
+def test_random_bytes_after_a_compact_mark(head: bytes, tail: bytes) -> None:
+    _decode_or_protocol_error(head + tail, protocol.MAX_REPLY_BYTES)
+
+
+@FAST
+@given(st.data())
+def test_truncated_and_flipped_compact_frames(data: st.DataObject) -> None:
+    seqs = data.draw(st.lists(st.integers(0, 2**63 - 1), max_size=5))
+    fields = data.draw(st.sampled_from(COMPACT_BATCHES))
+    frame = bytearray(
+        data.draw(st.sampled_from([protocol.encode_batch(*fields), protocol.encode_release(seqs)]))
+    )
+    cut = data.draw(st.integers(0, len(frame) - 1))
+    if frame[1] == 1 or cut < 2:  # (a release cut at a seq's boundary is a shorter release)
+        with pytest.raises(ProtocolError):
+            protocol.decode(bytes(frame[:cut]), protocol.MAX_REPLY_BYTES)
+    i = data.draw(st.integers(0, len(frame) - 1))
+    frame[i] = data.draw(st.integers(0, 255))
+    _decode_or_protocol_error(bytes(frame), protocol.MAX_REPLY_BYTES)

@@ -145,7 +145,7 @@ class Inbox:
         successor publishes again from its restart point): released at once, not yielded."""
         if msg["seq"] <= self.drop_through:
             if kind is Kind.BATCH:
-                self._send(protocol.encode(Kind.RELEASE, seqs=[msg["seq"]]))
+                self._send(protocol.encode_release([msg["seq"]]))
             return False
         if self.rejoined_at is not None:
             self._after_rejoin(kind, msg)
@@ -196,7 +196,7 @@ class Inbox:
             return False
         step = protocol.MAX_RELEASE_SEQS
         for start in range(0, len(seqs), step):
-            self._send(protocol.encode(Kind.RELEASE, seqs=seqs[start : start + step]))
+            self._send(protocol.encode_release(seqs[start : start + step]))
         return True
 
     def _report_modified(self, seq: int, epoch: int, index: int) -> None:

@@ -124,14 +124,8 @@ class Publisher:
             ref, new = shared.layouts.number(encoded, key)
             if new is not None:  # announced before any BATCH names it (a later joiner: in WELCOME)
                 shared.broadcast(protocol.encode(Kind.LAYOUT, number=new[0], layout=new[1]))
-            frame = protocol.encode(
-                Kind.BATCH,
-                seq=shared.flow.next_seq,
-                epoch=shared.flow.epoch,
-                index=self.index,
-                place=place,
-                layout=ref,
-                fingerprint=fingerprint,
+            frame = protocol.encode_batch(
+                shared.flow.next_seq, shared.flow.epoch, self.index, place, ref, fingerprint
             )
             if len(frame) > protocol.MAX_REPLY_BYTES:
                 shared.flow.cancel(place)
