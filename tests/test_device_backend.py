@@ -184,6 +184,16 @@ def test_a_region_must_fit(fake):
     a.free()
 
 
+def test_the_stand_ins_free_memory_is_dev_shms_and_an_allocation_takes_from_it(fake):
+    before = fake.free_memory(0)
+    a = fake.alloc(64 * MiB, 0)
+    a.tensor.fill_(1)  # (tmpfs pages count once written)
+    assert before - fake.free_memory(0) >= 32 * MiB  # (other processes may use /dev/shm meanwhile)
+    a.free()
+    with pytest.raises(GpuPathError):
+        fake.free_memory(5)
+
+
 # ----------------------------------------------------------------------------- streams and events
 
 
@@ -574,6 +584,19 @@ def test_real_current_stream_follows_the_threads_stream(monkeypatch):
         worker.start()
         worker.join(30)
     assert seen == [torch.cuda.default_stream(0)]  # current streams are per thread
+
+
+@pytest.mark.gpu
+def test_real_free_memory_falls_by_an_allocation(monkeypatch):
+    monkeypatch.delenv("TENSORSOCKET_FAKE_CUDA", raising=False)
+    b = device.backend()
+    before = b.free_memory(0)
+    assert 0 < before <= torch.cuda.mem_get_info(0)[1]
+    a = b.alloc(512 * MiB, 0)
+    try:
+        assert before - b.free_memory(0) >= 256 * MiB
+    finally:
+        a.free()
 
 
 @pytest.mark.gpu

@@ -118,24 +118,24 @@ from tests.support import SPAWN
 MIB = 1 << 20
 
 
-def consume(name, out):
+def consume(name, device, out):
     try:
-        with Consumer(name=name, timeout=30) as consumer:
+        with Consumer(name=name, device=device, timeout=30) as consumer:
             out.put({"sums": [int(x.sum()) for x, in consumer]})
     except Exception as exc:
         out.put({"error": f"{type(exc).__name__}: {exc}"})
 
 
 if __name__ == "__main__":
-    name, slots, replay = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    name, slots, replay, device = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     logging.basicConfig(level=logging.WARNING, format="LOG %(message)s", stream=sys.stdout)
     batches = [(torch.full((16 * MIB,), i, dtype=torch.uint8),) for i in range(6)]
     out = SPAWN.Queue()
-    consumer = SPAWN.Process(target=consume, args=(name, out))
+    consumer = SPAWN.Process(target=consume, args=(name, device, out))
     consumer.start()
     report = {}
     try:
-        Producer(batches, name=name, slots=slots, replay=replay).serve(epochs=1)
+        Producer(batches, name=name, slots=slots, replay=replay, device=device).serve(epochs=1)
     except OSError as exc:
         report["producer_error"] = f"{exc.errno}: {exc.strerror}"
     report["consumer"] = out.get(timeout=60)
@@ -152,9 +152,12 @@ def _small_shm_works() -> bool:
         return False
 
 
-def _in_a_64_mib_dev_shm(tmp_path: Any, name: str, slots: int, replay: int) -> tuple[dict[str, Any], str]:
+def _in_a_64_mib_dev_shm(
+    tmp_path: Any, name: str, slots: int, replay: int, device: str = "cpu"
+) -> tuple[dict[str, Any], str]:
     """Run FIT (a producer and a consumer of six 16 MiB batches) in a mount namespace whose
-    /dev/shm is a 64 MiB tmpfs, as Docker gives a container by default."""
+    /dev/shm is a 64 MiB tmpfs, as Docker gives a container by default. ``device="cuda:0"``
+    runs it on the CPU stand-in for a GPU, whose device memory is that /dev/shm."""
     script = tmp_path / "fit.py"
     script.write_text(FIT)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -171,10 +174,10 @@ def _in_a_64_mib_dev_shm(tmp_path: Any, name: str, slots: int, replay: int) -> t
         name,
         str(slots),
         str(replay),
+        device,
     ]
-    done = subprocess.run(
-        command, cwd=root, env=os.environ | {"PYTHONPATH": root}, capture_output=True, text=True, timeout=120
-    )
+    env = os.environ | {"PYTHONPATH": root} | ({"TENSORSOCKET_FAKE_CUDA": "1"} if device != "cpu" else {})
+    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=120)
     lines = [line for line in done.stdout.splitlines() if line.startswith("REPORT ")]
     assert lines, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return json.loads(lines[-1][len("REPORT ") :]), done.stdout
@@ -202,6 +205,30 @@ def test_a_replay_budget_that_does_not_fit_is_cut_and_the_run_goes_on(tmp_path, 
     assert "producer_error" not in report, report
     assert report["consumer"] == {"sums": [i * (16 << 20) for i in range(6)]}, report
     assert "replay buffer cut from 6 to 1 batches: /dev/shm has 64 MiB free" in out, out
+
+
+GPU_STAND_IN = "cuda:0 (the CPU stand-in, in /dev/shm)"
+
+
+@needs_mount
+def test_gpu_places_that_do_not_fit_the_gpu_memory_are_refused_at_the_first_batch(tmp_path, name):
+    """The same check for GPU memory (here the stand-in's, which is that /dev/shm): an
+    out-of-memory error some batches in would come too late, and with no remedy."""
+    report, _ = _in_a_64_mib_dev_shm(tmp_path, name, slots=8, replay=0, device="cuda:0")
+    error = report["producer_error"]
+    assert error.startswith(f"{errno.ENOSPC}:"), report
+    assert f"8 x 16.0 MiB = 128 MiB for slots=8, but {GPU_STAND_IN} has 64 MiB free" in error, error
+    assert "free memory on that GPU" in error and "device='cpu'" in error, error
+    assert "--shm-size" not in error, error  # a container's shared memory is not what is short
+    assert "ProducerLost" in report["consumer"]["error"], report
+
+
+@needs_mount
+def test_a_replay_budget_that_does_not_fit_the_gpu_memory_is_cut_and_the_run_goes_on(tmp_path, name):
+    report, out = _in_a_64_mib_dev_shm(tmp_path, name, slots=2, replay=1 << 30, device="cuda:0")
+    assert "producer_error" not in report, report
+    assert report["consumer"] == {"sums": [i * (16 << 20) for i in range(6)]}, report
+    assert f"replay buffer cut from 6 to 1 batches: {GPU_STAND_IN} has 64 MiB free" in out, out
 
 
 def test_a_fingerprint_taken_after_the_write_is_the_one_the_write_takes():

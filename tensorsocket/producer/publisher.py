@@ -212,15 +212,14 @@ class Publisher:
             raise OSError(
                 errno.ENOSPC,
                 f"batches of {nbytes} bytes need {window} x {size / MIB:.1f} MiB = {window * size / MIB:.0f} MiB "
-                f"of shared memory for slots={slots}, but {where} has {free / MIB:.0f} MiB free: lower "
-                f"slots= (at most {fits * slots // window} fit), make batches smaller, or give the container more "
-                "shared memory (docker run --shm-size=..., Kubernetes: an emptyDir with medium: Memory)",
+                f"for slots={slots}, but {where} has {free / MIB:.0f} MiB free: lower slots= (at most "
+                f"{fits * slots // window} fit), make batches smaller, or {room.remedy}",
             )
         if replay_places > fits - window:
             log.warning(
                 "replay buffer cut from %d to %d batches: %s has %.0f MiB free and the window's %d places take %.0f MiB "
-                "(replay= sets the budget; --shm-size gives a container more)",
-                replay_places, fits - window, where, free / MIB, window, window * size / MIB,
+                "(replay= sets the budget; to keep more, %s)",
+                replay_places, fits - window, where, free / MIB, window, window * size / MIB, room.remedy,
             )  # fmt: skip
             replay_places = fits - window
         return replay_places

@@ -71,6 +71,7 @@ class Room:
     arena_bytes: int  # what one takes
     free_bytes: int  # what is free
     where: str  # the memory, as a user knows it ("/dev/shm")
+    remedy: str  # how to get more of it, for the error or warning that says it ran short
 
 
 class Store(abc.ABC):

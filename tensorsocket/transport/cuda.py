@@ -46,7 +46,8 @@ from .. import layout
 from ..errors import ProtocolError
 from ..host import boot_id
 from . import device as devices
-from .base import Lease, Reader, Receipt, Store, check_descriptor, grown_size
+from .base import Lease, Reader, Receipt, Room, Store, check_descriptor, grown_size
+from .cuda_ipc import ARENA_ALIGN
 from .gpu_topology import GpuPathError
 
 if TYPE_CHECKING:
@@ -133,6 +134,19 @@ class CudaStore(Store):
         if current is not None and current.size >= nbytes:
             return None
         return place, self._dev.alloc(grown_size(current.size if current else None, nbytes), self.ordinal)
+
+    def room(self, nbytes: int) -> Room:
+        """How many more arenas for ``nbytes`` the GPU can allocate now, so a window or replay
+        budget that does not fit is known at the first batch rather than as an out-of-memory
+        error some batches later (and the trainers on that GPU need memory too)."""
+        size = max(ARENA_ALIGN, -(-nbytes // ARENA_ALIGN) * ARENA_ALIGN)  # as an allocation rounds
+        free = self._dev.free_memory(self.ordinal)
+        where = f"{self.device} ({'the CPU stand-in, in /dev/shm' if self._dev.fake else self.gpu})"
+        remedy = (
+            "free memory on that GPU (its other processes use it too), or serve from host shared memory "
+            "(device='cpu')"
+        )
+        return Room(free // size, size, free, where, remedy)
 
     def install(self, prepared: tuple[int, Any]) -> list[list[Any]]:
         place, allocation = prepared

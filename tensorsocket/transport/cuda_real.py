@@ -135,6 +135,9 @@ class RealBackend:
     def alloc(self, nbytes: int, ordinal: int) -> RealAllocation:
         return RealAllocation(nbytes, ordinal)
 
+    def free_memory(self, ordinal: int) -> int:
+        return torch.cuda.mem_get_info(ordinal)[0]
+
     def open(self, handle: bytes, size: int, ordinal: int) -> RealMapping:
         if not isinstance(handle, bytes) or len(handle) != HANDLE_BYTES:
             raise ValueError(f"a CUDA IPC memory handle has {HANDLE_BYTES} bytes, got {handle!r:.100}")

@@ -111,6 +111,10 @@ class DeviceBackend(Protocol):
 
     def alloc(self, nbytes: int, ordinal: int) -> DeviceAllocation: ...
 
+    def free_memory(self, ordinal: int) -> int:
+        """Bytes the device can still allocate (real: the driver's free memory; the stand-in's
+        arenas are /dev/shm files, so its free space)."""
+
     def open(self, handle: bytes, size: int, ordinal: int) -> DeviceMapping: ...
 
     def new_stream(self, ordinal: int) -> Stream:

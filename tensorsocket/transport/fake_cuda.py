@@ -28,6 +28,7 @@ import os
 import queue
 import re
 import secrets
+import shutil
 import threading
 import time
 import weakref
@@ -214,6 +215,10 @@ class FakeBackend:
         size = max(ARENA_ALIGN, -(-nbytes // ARENA_ALIGN) * ARENA_ALIGN)
         name = f"{PREFIX}{os.getuid()}-{os.getpid()}-{self._token}-cuda{physical}-{next(self._serial)}"
         return FakeAllocation(name, size, ordinal)
+
+    def free_memory(self, ordinal: int) -> int:
+        self._check(ordinal)
+        return shutil.disk_usage(SHM_DIR).free
 
     def open(self, handle: bytes, size: int, ordinal: int) -> FakeMapping:
         name, physical = _handle_name(handle)

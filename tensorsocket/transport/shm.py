@@ -228,7 +228,11 @@ class ShmStore(Store):
         except OSError:
             return None
         size = _arena_size(None, nbytes)
-        return Room(free // size, size, free, SHM_DIR)
+        remedy = (
+            "give the container more shared memory (docker run --shm-size=..., Kubernetes: an emptyDir "
+            "with medium: Memory)"
+        )
+        return Room(free // size, size, free, SHM_DIR, remedy)
 
     def region(self, place: int) -> torch.Tensor:
         """``place``'s whole arena, flat uint8 (a GPU store fills its host mirror through it)."""
