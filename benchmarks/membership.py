@@ -189,7 +189,7 @@ def _producer(
             poller.join()
         status = producer.status()
         report.update(
-            {k: status[k] for k in ("published", "places", "replay_places", "max_lag", "slot_wait")},
+            {k: status[k] for k in ("published", "places", "replay_batches", "max_lag", "slot_wait")},
             consumers_last_status={
                 label: {k: c[k] for k in ("received", "skipped", "catching_up", "late_join")}
                 for label, c in last.items()

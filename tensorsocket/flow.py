@@ -14,9 +14,12 @@ been sent yet.
 
 Flow control: the producer publishes only while every consumer's lag is below ``window``
 (so it runs at most ``window`` batches ahead of the slowest: the slowest sets the pace),
-into a place nobody holds or still needs. There are ``places >= window`` places; the ones
-beyond the window keep already-consumed batches resident, oldest overwritten first, so a
-late joiner can be sent them again (the replay buffer). The loader is never re-run.
+into a place nobody holds or still needs (``places >= window``; groups add some), oldest
+overwritten first. Replay: the producer also *keeps* its newest batches where the loader put
+them (``publish(..., keep=)``: no copy, no place). A consumer to be sent a kept batch whose
+place was reused waits while the producer writes it into a place again (:meth:`Flow.restage`,
+:meth:`Flow.restaged`), so a late joiner can be sent the epoch again. The loader is never
+re-run.
 
 Stragglers, with ``max_lag`` set (policy ``skip``): the window then bounds the lag of the
 *leading* consumer (the one with the least lag) instead of the slowest, and a consumer more
@@ -42,10 +45,12 @@ Invariants (checked by :func:`tensorsocket.flow_invariants.check_invariants`):
 * every place is FREE (never written), FILLING (reserved by the producer, no holders) or
   PUBLISHED (holds batch ``seq``; its holders are exactly the consumers holding ``seq``);
 * a place is reserved only when no consumer holds its batch and every consumer's cursor is
-  past it, so held or not-yet-sent batches are never overwritten;
+  past it or the batch is kept (a re-stage), so held batches are never overwritten, and
+  every not-yet-sent batch is in its place or kept;
 * each consumer receives a contiguous run of entries (gaps only where a Skipped says so,
   and only of batches), each once, in seq order, starting where its policy says;
-* progress: when every consumer releases what it holds, a place becomes reservable.
+* progress: when every consumer releases what it holds, a place becomes reservable, or a
+  kept batch a consumer waits for can be re-staged.
 """
 
 from __future__ import annotations
@@ -146,6 +151,7 @@ class ConsumerState:
     rejoined: bool = False  # ``at`` is where it rejoins a restarted producer (what it received)
     ready: bool = True  # a group member: its trainer began iterating (its group may start)
     resume_index: int = 0  # waiting for the next epoch: start at this batch of it
+    wants: int | None = None  # the kept batch, in no place now, it waits for (see restage())
 
     @property
     def forming(self) -> bool:
@@ -176,12 +182,13 @@ class Flow:
         self.window = window
         self.max_lag = max_lag
         self._places = [_Place() for _ in range(places)]
-        # For O(1) reserve and trim with thousands of replay places: never-used (or cancelled)
-        # places, published places in seq order, and the first seq of the resident suffix
-        # (only reserve() overwrites a batch, so it only ever moves forward).
-        self._free = list(range(places - 1, -1, -1))  # popped from the end: lowest index first
-        self._published: collections.deque[int] = collections.deque()
-        self._replay_from = 0
+        self._free = list(range(places - 1, -1, -1))  # never used (or cancelled): lowest index first
+        # The newest published batches the producer keeps (a suffix of the stream's batches),
+        # and the places being filled again with one of them (place -> seq).
+        self._kept: collections.deque[int] = collections.deque()
+        self._kept_set: set[int] = set()
+        self._restaging: dict[int, int] = {}
+        self._replay_from = 0  # the first seq after every batch lost (in no place, not kept)
         self._log: dict[int, Entry] = {}
         self._before: dict[int, int] = {}  # seq -> batches published before it
         self.consumers: dict[Hashable, ConsumerState] = {}
@@ -218,6 +225,19 @@ class Flow:
     def resident(self) -> int:
         """Published batches still in a place (in flight or kept for replay)."""
         return sum(s.state is PlaceState.PUBLISHED for s in self._places)
+
+    def place_of(self, seq: int) -> int | None:
+        """The place batch ``seq`` is in, or None if it is in none."""
+        entry = self._log.get(seq)
+        return (
+            entry.place
+            if entry is not None and entry.kind is EntryKind.BATCH and self._resident(seq)
+            else None
+        )
+
+    def kept(self) -> int:
+        """Batches the producer keeps for replay (in a place or not)."""
+        return len(self._kept)
 
     def serving(self) -> int:
         """Consumers the stream is for: not waiting for the rest of their group, not cut off."""
@@ -400,7 +420,7 @@ class Flow:
         """``cid``'s group broke: it is sent nothing more and no longer paces the producer."""
         group = state.group
         assert group is not None and group.lost is not None
-        state.broken, state.cursor, state.catching_up = True, None, False
+        state.broken, state.cursor, state.catching_up, state.wants = True, None, False, None
         return [GroupBroken(cid, group.name, group.lost[0], group.lost[1], at_once)]
 
     def release(self, cid: Hashable, seqs: Iterable[int]) -> list[Action]:
@@ -468,54 +488,109 @@ class Flow:
         """Pick a place to write the next batch into, or None while the window is full or
         every place is still needed.
 
-        Prefers a never-used place, then the one holding the oldest batch (so the batches that
-        stay resident, and so replayable, are the most recent ones).
+        Prefers a never-used place, then the one holding the oldest batch nobody holds or is
+        still owed (so the batches that stay in places are the most recent ones).
         """
         if self.ended:
             raise RuntimeError("the stream has ended; nothing more can be published")
         if not self._window_open():
             return None
         if self._free:
-            best = self._free.pop()
+            return self._fill(self._free.pop())
+        owed_from = self._owed_from()
+        spare = [i for i in self._unheld() if self._places[i].seq < owed_from]  # type: ignore[operator]
+        if not spare:
+            return None
+        return self._fill(min(spare, key=lambda i: self._places[i].seq))  # type: ignore[arg-type, return-value]
+
+    def restage(self) -> tuple[int, int] | None:
+        """A kept batch some consumer waits for (it is in no place now: a joiner replaying it)
+        and a place to write it into again, or None while there is none or no place is free.
+        The producer writes it there and calls :meth:`restaged`. Ignores the window: only the
+        batch's own consumers are sent it.
+
+        The place: a never-used one, else the oldest batch nobody holds or is owed, else, of
+        the kept batches nobody holds, the newest (the one its waiters need last)."""
+        busy = set(self._restaging.values())
+        wanted = [c.wants for c in self.consumers.values() if c.wants is not None and c.wants not in busy]
+        if not wanted:
+            return None
+        seq = min(wanted)  # type: ignore[type-var]
+        if self._free:
+            place = self._free.pop()
         else:
-            cursors = [c.cursor for c in self.consumers.values() if c.cursor is not None]
-            needed_from = min(cursors, default=self.next_seq)  # batches from here are still owed
-            best = None
-            for i, place in enumerate(self._published):
-                seq = self._places[place].seq
-                if seq >= needed_from:  # type: ignore[operator]
-                    break  # in seq order: every later one is owed too
-                if not self._places[place].holders:
-                    best = place
-                    del self._published[i]
-                    break
-            if best is None:
+            owed_from, unheld = self._owed_from(), self._unheld()
+            spare = [i for i in unheld if self._places[i].seq < owed_from]  # type: ignore[operator]
+            kept = [i for i in unheld if self._places[i].seq in self._kept_set]
+            if spare:
+                place = min(spare, key=lambda i: self._places[i].seq)  # type: ignore[arg-type, return-value]
+            elif kept:
+                place = max(kept, key=lambda i: self._places[i].seq)  # type: ignore[arg-type, return-value]
+            else:
                 return None
-        place = self._places[best]
-        if place.seq is not None:
-            self._replay_from = max(self._replay_from, place.seq + 1)
-            if place.seq >= self._epoch_start:
-                self._replay_open = False
-        place.state, place.seq = PlaceState.FILLING, None
-        return best
+        self._fill(place)
+        self._restaging[place] = seq
+        return seq, place
+
+    def restaged(self, place: int, payload: Any) -> list[Action]:
+        """The place :meth:`restage` gave holds its batch again (``payload``: the message that
+        names this place); send it to the consumers waiting for it."""
+        seq = self._restaging.pop(place, None)
+        s = self._places[place]
+        if seq is None or s.state is not PlaceState.FILLING:
+            raise RuntimeError(f"place {place} is not being filled again")
+        s.state, s.seq = PlaceState.PUBLISHED, seq
+        entry = self._log.get(seq)
+        if entry is None:  # nobody can still be sent it (its waiters left): it stays, unwanted
+            return []
+        self._log[seq] = Entry(seq, entry.kind, place, payload, entry.epoch, entry.index)
+        out: list[Action] = []
+        for cid, state in self.consumers.items():
+            if state.wants == seq:
+                out.extend(self._deliver(cid, state))
+        out.extend(self._settle())
+        self._trim()
+        return out
 
     def cancel(self, place: int) -> None:
-        """Give back a reserved place that was not published (the write failed)."""
+        """Give back a reserved place that was not written (the write failed)."""
         s = self._places[place]
         if s.state is not PlaceState.FILLING:
             raise RuntimeError(f"place {place} is not being filled")
+        self._restaging.pop(place, None)  # (its waiters still want it: restage() offers it again)
         s.state = PlaceState.FREE
         self._free.append(place)
 
-    def publish(self, place: int, payload: Any) -> list[Action]:
+    def publish(self, place: int, payload: Any, keep: int = 0) -> list[Action]:
         """The reserved ``place`` now holds batch ``next_seq``; send it to whoever may take it,
-        and (policy skip) move consumers lagging more than ``max_lag`` ahead."""
+        and (policy skip) move consumers lagging more than ``max_lag`` ahead. ``keep``: the
+        producer keeps the newest ``keep`` batches (this one included) beyond their places,
+        so a joiner can be sent them again (:meth:`restage`); one that is owed and in no place
+        is kept past that until it is sent (see :meth:`kept_from`)."""
         s = self._places[place]
-        if s.state is not PlaceState.FILLING:
+        if s.state is not PlaceState.FILLING or place in self._restaging:
             raise RuntimeError(f"place {place} was not reserved")
+        if type(keep) is not int or keep < 0:
+            raise ValueError(f"keep must be a non-negative int, got {keep!r}")
         s.state, s.seq = PlaceState.PUBLISHED, self.next_seq
-        self._published.append(place)
+        if keep:
+            self._kept.append(self.next_seq)
+            self._kept_set.add(self.next_seq)
+        owed_from = self._owed_from()
+        while len(self._kept) > keep:
+            oldest = self._kept[0]
+            if oldest >= owed_from and not self._resident(oldest):
+                break  # a consumer is still owed it, and only the producer has it
+            self._kept.popleft()
+            self._kept_set.discard(oldest)
+            if not self._resident(oldest):
+                self._lose(oldest)
         return self._append(EntryKind.BATCH, place, payload)
+
+    def kept_from(self) -> int:
+        """The oldest seq the producer must still keep (``next_seq`` if none): it may let go of
+        every batch before it."""
+        return self._kept[0] if self._kept else self.next_seq
 
     def end_epoch(self, payload: Any) -> list[Action]:
         """Append an EPOCH_END marker; consumers waiting for a boundary start after it."""
@@ -574,6 +649,7 @@ class Flow:
 
     def _deliver(self, cid: Hashable, state: ConsumerState) -> list[Action]:
         out: list[Action] = []
+        state.wants = None
         while state.cursor is not None and state.cursor < self.next_seq:
             if state.cut_after is not None and state.cursor > state.cut_after:
                 break
@@ -589,6 +665,9 @@ class Flow:
                         state.cursor += 1
                         continue
                 if len(state.held) >= state.prefetch:
+                    break
+                if not self._resident(entry.seq):  # kept, in no place: restage() offers it
+                    state.wants = entry.seq
                     break
                 state.held[entry.seq] = entry.place  # type: ignore[assignment]
                 self._places[entry.place].holders.add(cid)  # type: ignore[index]
@@ -667,6 +746,32 @@ class Flow:
             return all(self._lag(c) < self.window for c in active)
         return self._leader_lag() < self.window and not any(c.catching_up for c in active)
 
+    def _fill(self, place: int) -> int:
+        """Reserve ``place`` (FREE, or PUBLISHED with nobody holding it): its batch, unless
+        kept, is lost to joiners from now on."""
+        s = self._places[place]
+        if s.seq is not None and s.seq not in self._kept_set:
+            self._lose(s.seq)
+        s.state, s.seq = PlaceState.FILLING, None
+        return place
+
+    def _lose(self, seq: int) -> None:
+        """Batch ``seq`` is in no place and not kept: nobody can be sent it, or anything before it."""
+        self._replay_from = max(self._replay_from, seq + 1)
+        if seq >= self._epoch_start:
+            self._replay_open = False
+
+    def _unheld(self) -> list[int]:
+        return [i for i, s in enumerate(self._places) if s.state is PlaceState.PUBLISHED and not s.holders]
+
+    def _owed_from(self) -> int:
+        """Batches from here on are still owed to some consumer."""
+        return min((c.cursor for c in self.consumers.values() if c.cursor is not None), default=self.next_seq)
+
+    def _available(self, seq: int) -> bool:
+        """Can entry ``seq`` be sent: in its place, or kept (and so written there again)?"""
+        return self._resident(seq) or seq in self._kept_set
+
     def _resident(self, seq: int) -> bool:
         entry = self._log.get(seq)
         if entry is None or entry.kind is not EntryKind.BATCH:
@@ -675,14 +780,15 @@ class Flow:
         return place.state is PlaceState.PUBLISHED and place.seq == seq
 
     def _oldest_replayable(self) -> int:
-        """The smallest seq from which every entry up to the newest is still resident."""
+        """The smallest seq from which every entry up to the newest can still be sent (is in its
+        place or kept)."""
         return min(self._replay_from, self.next_seq)
 
     def _trim(self) -> None:
         """Forget log entries no consumer can still be sent and no joiner can replay.
 
-        The log stays short: entries at or past the slowest cursor are unsent batches, which
-        are resident (at most one per place), and replayable ones are resident too.
+        The log stays short: entries at or past the slowest cursor are unsent batches, and they
+        and the replayable ones are in a place or kept.
         """
         cursors = [c.cursor for c in self.consumers.values() if c.cursor is not None]
         keep_from = min(cursors, default=self.next_seq)

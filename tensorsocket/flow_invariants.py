@@ -21,18 +21,23 @@ def check_invariants(flow: Flow) -> None:
         if c.cursor is not None:
             for seq in range(c.cursor, flow.next_seq):
                 assert seq in flow._log, (cid, seq)
-                assert flow._resident(seq), (cid, seq)
+                assert flow._available(seq), (cid, seq)
+        if c.wants is not None:  # it waits at a kept batch in no place, with room to take it
+            assert c.wants == c.cursor and c.wants in flow._kept_set and not flow._resident(c.wants), (cid, c)
+            assert len(c.held) < c.prefetch, (cid, c)
         if not c.catching_up:
             assert flow._within_limit(c, flow._leader_lag()), ("lags too far", cid, c, flow._leader_lag())
     if flow._replay_open and not flow.ended:
         for seq in range(flow._epoch_start, flow.next_seq):
-            assert flow._resident(seq), ("replay window lost", seq)
+            assert flow._available(seq), ("replay window lost", seq)
     batches = sum(e.kind is EntryKind.BATCH for e in flow._log.values())
-    assert batches <= len(flow._places), ("log holds non-resident batches", batches)
+    assert batches <= len(flow._places) + len(flow._kept), ("log holds batches nobody can be sent", batches)
     assert set(flow._before) == set(flow._log)
     assert sorted(flow._free) == [i for i, x in enumerate(flow._places) if x.state is PlaceState.FREE]
-    seqs = [flow._places[i].seq for i in flow._published]
-    assert seqs == sorted(seqs) and len(set(flow._published)) == len(flow._published)
-    assert set(flow._published) == {i for i, x in enumerate(flow._places) if x.state is PlaceState.PUBLISHED}
     for seq in range(flow._oldest_replayable(), flow.next_seq):
-        assert flow._resident(seq), ("not resident", seq)
+        assert flow._available(seq), ("neither in its place nor kept", seq)
+    kept = list(flow._kept)
+    assert kept == sorted(set(kept)) and set(kept) == flow._kept_set
+    assert all(flow._log[s].kind is EntryKind.BATCH for s in kept if s in flow._log)
+    for place, seq in flow._restaging.items():
+        assert flow._places[place].state is PlaceState.FILLING and seq in flow._kept_set, (place, seq)

@@ -72,9 +72,10 @@ class ProducerStatus(TypedDict):
     pid: int
     uptime_s: float
     slots: int  # the window
-    places: int  # every arena index: window places, straggler room and replay places
-    replay_places: int  # sized at the first batch (0 before)
+    places: int  # every arena index: window places and straggler room (groups add some)
+    replay_batches: int  # the most batches the replay budget keeps (sized at the first batch; 0 before)
     replay_budget_bytes: int
+    kept_batches: int  # batches kept for replay now, where the loader made them (in a place or not)
     resident_batches: int  # published batches still in a place
     slot_bytes: int  # bytes of arenas allocated
     transport: str  # the store's kind: "shm", "cuda"
@@ -95,6 +96,7 @@ class ProducerStatus(TypedDict):
     loader_wait: float  # seconds in next(loader)
     slot_wait: float  # seconds waiting for the slowest consumer to free a slot
     publish_time: float  # seconds writing and announcing, slot_wait included
+    restaged: int  # kept batches written into a place again for a joiner
     bad_messages: int
 
 

@@ -210,7 +210,7 @@ def test_serve_with_options_status_while_consuming_second_serve_and_sigterm(pipe
 
         assert rc_text == 0, err_text
         assert f"pid {serve.pid}" in text and endpoint.resolve(name) in text
-        assert "bottleneck: " in text and "3 slots" in text and "replay budget 1.0 MiB" in text
+        assert "bottleneck: " in text and "3 slots" in text and "(budget 1.0 MiB)" in text
         assert "stragglers: stall" in text and "batches/s (since start)" in text
         header = next(line for line in text.splitlines() if line.startswith("consumer "))
         # "gpu mem" too where nvidia-ml-py sees this process on a GPU (an earlier GPU test's context)
@@ -228,7 +228,7 @@ def test_serve_with_options_status_while_consuming_second_serve_and_sigterm(pipe
         assert status["pid"] == serve.pid and status["slots"] == 3
         assert status["published"] >= BATCHES and not status["ended"]
         assert status["stragglers"] == "stall" and status["max_lag"] is None
-        assert status["replay_budget_bytes"] == 1 << 20 and status["replay_places"] == BATCHES
+        assert status["replay_budget_bytes"] == 1 << 20 and status["replay_batches"] == BATCHES
         [me] = status["consumers"]
         assert me["label"] == "cli-test" and me["pid"] == os.getpid() and me["received"] >= BATCHES
         assert me["batch_size"] == 4 and me["late_join"] == "replay" and me["samples_per_s"] > 0
@@ -290,7 +290,7 @@ def test_serve_stragglers_skip(pipeline: Path) -> None:
                     break
         status = query_status(endpoint.resolve(name), 5)
         assert status["stragglers"] == "skip" and status["max_lag"] == 1
-        assert status["replay_places"] == 0 and status["places"] == 12  # room for a straggler's batches
+        assert status["replay_batches"] == 0 and status["places"] == 12  # room for a straggler's batches
         me = next(c for c in status["consumers"] if c["label"] == "slowpoke")
         assert me["skipped"] > 0
         text = format_status(status, gpu=([], {}))
@@ -459,10 +459,10 @@ def _consumer(label: str, **fields: Any) -> dict[str, Any]:
 def _status(**fields: Any) -> dict[str, Any]:
     base = {
         "endpoint": "ipc:///x.sock", "pid": 42, "uptime_s": 10.0, "slots": 4, "places": 12,
-        "replay_places": 8, "replay_budget_bytes": 1 << 30, "resident_batches": 12,
+        "replay_batches": 8, "replay_budget_bytes": 1 << 30, "kept_batches": 8, "resident_batches": 12,
         "slot_bytes": 12 << 20, "stragglers": "stall", "max_lag": None, "epoch": 1, "next_seq": 20,
         "ended": False, "batches_per_epoch": 16, "samples_per_epoch": 512, "published": 18,
-        "loader_wait": 6.0, "slot_wait": 1.0, "publish_time": 1.5, "bad_messages": 0,
+        "loader_wait": 6.0, "slot_wait": 1.0, "publish_time": 1.5, "restaged": 3, "bad_messages": 0,
         "consumers": [
             _consumer("a", cursor=17, lag=1, held=2, batch_size=32, device="cuda:0"),
             _consumer("late", pid=8, cursor=None, held=0, received=0, samples_per_s=None, waiting_share=None),
@@ -483,8 +483,9 @@ def test_format_status() -> None:
     assert lines[3] == "  bottleneck: the loader"
     assert lines[4].startswith("  stragglers: stall")
     assert lines[5] == (
-        "  shared memory 12.0 MiB in use (~1.0 MiB a batch): 4 slots ~4.0 MiB, 8 replay places ~8.0 MiB "
-        "(replay budget 1.0 GiB); 12 batches resident"
+        "  shared memory 12.0 MiB in use (~1.0 MiB a batch): 4 slots + 8 for stragglers; replay: 8 of up to "
+        "8 batches kept where the loader made them (budget 1.0 GiB), 3 written again for joiners; 12 "
+        "batches resident"
     )
     rows = lines[-3:]
     assert rows[0].split() == [
@@ -506,7 +507,7 @@ def test_format_status() -> None:
 
     empty = format_status(_status(consumers=[], published=0), gpu=([], {}))
     assert empty.endswith("no consumers connected") and "nothing published" in empty
-    assert "4 slots + 4 for stragglers" in format_status(_status(stragglers="skip", max_lag=2, places=16))
+    assert "4 slots + 4 for stragglers" in format_status(_status(stragglers="skip", max_lag=2, places=8))
 
 
 def test_bottleneck_in_plain_words() -> None:

@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from tensorsocket import Consumer, Producer
+from tensorsocket.errors import Evicted
 from tests.support import (
     SPAWN,
     NestedLoader,
@@ -102,6 +103,10 @@ def test_joiner_inside_the_replay_window_sees_the_whole_epoch_in_its_own_process
         go.set()
         wait_until(lambda: len(producer.status()["consumers"]) == 2, 30, "the joiner")
         assert producer.status()["epoch"] == 0, "the epoch ended before the joiner could join"
+        # Batches 0-1 left the two places before it joined: kept, they are written there again.
+        wait_until(lambda: producer.status()["restaged"] >= 2, 30, "the joiner's first batches re-staged")
+        status = producer.status()
+        assert status["places"] == 2 and status["kept_batches"] >= 4, status  # no place but the window's
         reports = [results.get(timeout=60), joined.get(timeout=60)]
         for p in leaders + joiners:
             p.join(timeout=10)
@@ -112,6 +117,68 @@ def test_joiner_inside_the_replay_window_sees_the_whole_epoch_in_its_own_process
         assert report["bad"] == []
         assert report["seen"] == [(e, i) for e in range(epochs) for i in range(batches)]
         assert report["finished"] and report["after_end"] == 0
+
+
+class ReusedBuffers:
+    """A loader that writes its batches into the same ``ring`` tensors in turn (as some
+    hand-written loaders do): a kept batch changes after it was published."""
+
+    def __init__(self, batches: int, ring: int = 1) -> None:
+        self.buffers = [torch.zeros(4, 3, dtype=torch.int64) for _ in range(ring)]
+        self.batches = batches
+
+    def __len__(self) -> int:
+        return self.batches
+
+    def __iter__(self) -> Any:
+        for i in range(self.batches):
+            buffer = self.buffers[i % len(self.buffers)]
+            buffer.fill_(i)
+            time.sleep(0.05)
+            yield buffer
+
+
+def _leader_then_joiner(
+    name: str, producer: Producer, epochs: int
+) -> tuple[Reader, Reader, list[BaseException]]:
+    """A leader from the start, a joiner once batches 0-2 left their two places."""
+    with serving(producer, epochs) as (server, errors):
+        leader = Reader(name, label="leader")
+        leader.start()
+        wait_until(lambda: producer.status()["next_seq"] >= 5, 30, "batches 0-2 to leave their places")
+        joiner = Reader(name, label="joiner")
+        joiner.start()
+        join_or_fail(leader)
+        join_or_fail(joiner)
+        join_or_fail(server)
+    return leader, joiner, errors
+
+
+def test_a_loader_that_reuses_its_buffer_is_replayed_exactly_from_copies(name, caplog):
+    """The newest kept batch is checked when the next is pulled: changed, it is copied back out
+    of its place, and every later batch is kept as a copy."""
+    batches, epochs = 20, 2
+    with caplog.at_level(logging.WARNING, logger="tensorsocket"):
+        leader, joiner, errors = _leader_then_joiner(
+            name, Producer(ReusedBuffers(batches), name=name, slots=2), epochs
+        )
+    assert errors == [] and leader.error is None and joiner.error is None
+    full = list(range(batches))
+    assert leader.epochs_seen == [full] * epochs
+    assert joiner.epochs_seen == [full] * epochs  # epoch 0 replayed, each batch as it was published
+    assert "batch 0 of epoch 0 changed after it was published" in caplog.text
+
+
+def test_a_kept_batch_that_changed_unnoticed_is_not_sent_its_joiner_is_evicted_saying_why(name):
+    """Two buffers in turn: each batch changes two batches later, after the check. The
+    joiner's replay finds it at re-stage: the joiner is evicted with why, never sent other
+    bytes under that batch's number, and the others go on."""
+    leader, joiner, errors = _leader_then_joiner(
+        name, Producer(ReusedBuffers(20, ring=2), name=name, slots=2), 1
+    )
+    assert joiner.epochs_seen == []  # (a batch with other bytes would fail Reader's check, too)
+    assert isinstance(joiner.error, Evicted) and "changed after it was published" in str(joiner.error)
+    assert errors == [] and leader.error is None and leader.epochs_seen == [list(range(20))]
 
 
 @pytest.mark.parametrize("policy", ["replay", "next_epoch", "now"])

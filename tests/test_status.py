@@ -44,11 +44,11 @@ def consumer(label: str, **fields: Any) -> ConsumerStatus:
 def producer(**fields: Any) -> ProducerStatus:
     base: dict[str, Any] = {
         "endpoint": "ipc:///x.sock", "pid": 42, "uptime_s": 10.0, "slots": 4, "places": 12,
-        "replay_places": 8, "replay_budget_bytes": 1 << 30, "resident_batches": 12,
+        "replay_batches": 8, "replay_budget_bytes": 1 << 30, "kept_batches": 8, "resident_batches": 12,
         "slot_bytes": 12 << 20, "transport": "shm", "device": "cpu", "gpu_mib": None, "stragglers": "stall",
         "max_lag": None, "epoch": 1, "next_seq": 20, "ended": False, "batches_per_epoch": 16,
         "samples_per_epoch": 512, "published": 18, "loader_wait": 6.0, "slot_wait": 1.0,
-        "publish_time": 1.5, "bad_messages": 0,
+        "publish_time": 1.5, "restaged": 3, "bad_messages": 0,
         "consumers": [consumer("a", lag=1, held=2), consumer("b", held=0)], "groups": [],
     }  # fmt: skip
     return {**base, **fields}  # type: ignore[typeddict-item]

@@ -87,18 +87,17 @@ def _table(header: list[str], rows: list[list[str]], left: int = 1) -> list[str]
 
 
 def _memory_line(s: ProducerStatus) -> str:
-    places, replay, slots, used = s["places"], s["replay_places"], s["slots"], s["slot_bytes"]
-    window = places - replay
+    places, replay, slots, used = s["places"], s["replay_batches"], s["slots"], s["slot_bytes"]
     allocated = min(places, s["published"])  # a place gets memory when first used
-    slots_text = f"{window} slots" if window == slots else f"{slots} slots + {window - slots} for stragglers"
+    slots_text = f"{places} slots" if places == slots else f"{slots} slots + {places - slots} for stragglers"
     text = f"shared memory {fmt_bytes(used)} in use"
-    if allocated:
-        each = used / allocated
-        text += f" (~{fmt_bytes(each)} a batch): {slots_text} ~{fmt_bytes(each * window)}"
-        text += f", {replay} replay places ~{fmt_bytes(each * replay)}" if replay else ", no replay places"
+    text += f" (~{fmt_bytes(used / allocated)} a batch): {slots_text}" if allocated else f": {slots_text}"
+    budget = fmt_bytes(s["replay_budget_bytes"])
+    if replay:
+        text += f"; replay: {s['kept_batches']} of up to {replay} batches kept where the loader made them"
+        text += f" (budget {budget}), {s['restaged']} written again for joiners"
     else:
-        text += f": {slots_text}" + (f", {replay} replay places" if replay else "")
-    text += f" (replay budget {fmt_bytes(s['replay_budget_bytes'])})"
+        text += f"; no replay (budget {budget})"
     return text + f"; {s['resident_batches']} batches resident"
 
 

@@ -303,6 +303,11 @@ class IoLoop:
             where = f"is rank {state.rank} of group {state.group.name!r}; it {where}"
         log.info("%s joined (%d connected); it %s", peer.describe(), len(shared.peers), where)
 
+    def evict(self, cid: Hashable, reason: str) -> None:
+        """Tell ``cid`` it was evicted, and why, then drop it (lock held; any thread)."""
+        self.shared.post(cid, protocol.encode(Kind.EVICTED, reason=reason))
+        self._drop(cid, "evicted")
+
     def _drop(self, cid: Hashable, why: str) -> None:
         shared = self.shared
         peer = shared.peers.pop(cid, None)

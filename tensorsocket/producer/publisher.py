@@ -16,15 +16,17 @@ from typing import Any
 from .. import layout, layout_table, protocol, sharding
 from ..errors import Closed, IoThreadDied
 from ..protocol import Kind
+from ..transport.shm import room as shm_room
+from . import retention
 from .io_loop import IoLoop
 from .restart import Resumed, Tracker, content_fingerprint
+from .retention import Kept, Replay
 from .session_turns import SessionTurns
 from .shared import TICK, Shared
 
 log = logging.getLogger("tensorsocket")
 
 MIB = 1 << 20
-_MAX_REPLAY_BATCHES = 4096  # each place is an arena every consumer maps: bound their number
 _REJOIN_GRACE = 10.0  # seconds a successor waits for all its predecessor's consumers
 
 
@@ -51,6 +53,7 @@ class Publisher:
         self.epoch = self.first_seq = 0  # the open epoch and its first entry (only we move the flow's epoch)
         self.loader_iter: Iterator[Any] | None = None
         self.pending: list[Any] = []  # pulled already (a resume's checked batch): published first
+        self.replay = Replay(shared, io)  # the batches kept for late joiners (sized at the first batch)
         # resume=True: where to restart from, and the state file; a successor's first epoch
         self.tracker, self.resumed = tracker, resumed
         self.expected: dict[tuple[int, int], int] = {}  # a successor's batches published before
@@ -79,37 +82,18 @@ class Publisher:
         plan = layout.plan(batch)
         content = self._check_content(plan)
         if not self.started:
-            self._size_replay(plan.nbytes)
+            self._size_replay(plan)
         self.started = True
-        place_box: list[int] = []
-
-        def reserved() -> bool:
-            if shared.flow.ended:
-                raise Closed(f"producer on {endpoint} was closed")
-            place = shared.flow.reserve()
-            if place is not None:
-                place_box.append(place)
-                check_box.append(shared.fingerprints_wanted())
-            return place is not None
-
-        check_box: list[bool] = []
+        if self.replay.kept.budget:
+            self.replay.check_newest()
         encoded = plan.encode()
         key = layout_table.key(encoded)  # (outside the lock: a large layout packs slowly)
-
         t_place = time.perf_counter()
-        self.turns.wait(reserved, lambda: self._check_waiting("a free place", None))
+        place, check = self._reserve()
         place_wait = time.perf_counter() - t_place
-        place = place_box[0]
         try:
-            arena = shared.store.prepare(place, plan.nbytes)  # slow for big arenas: not under the lock
-            if arena is not None:
-                with shared.changed:
-                    for descriptor in shared.store.install(arena):  # one per transport served
-                        shared.broadcast(protocol.encode(Kind.ARENA, arena=descriptor), descriptor[0])
-            # Announce after completion: the BATCH goes out only once the bytes are where
-            # consumers read them (on a GPU, the copy's event fired), so no consumer ever
-            # waits on the producer's GPU work.
-            fingerprint = shared.store.write(place, plan, check_box[0]).wait()
+            fingerprint = shared.write(place, plan, check)
+            kept = self.replay.to_keep(place, plan)
         except BaseException:
             with shared.changed:
                 shared.flow.cancel(place)
@@ -124,9 +108,8 @@ class Publisher:
             ref, new = shared.layouts.number(encoded, key)
             if new is not None:  # announced before any BATCH names it (a later joiner: in WELCOME)
                 shared.broadcast(protocol.encode(Kind.LAYOUT, number=new[0], layout=new[1]))
-            frame = protocol.encode_batch(
-                shared.flow.next_seq, shared.flow.epoch, self.index, place, ref, fingerprint
-            )
+            seq = shared.flow.next_seq
+            frame = protocol.encode_batch(seq, shared.flow.epoch, self.index, place, ref, fingerprint)
             if len(frame) > protocol.MAX_REPLY_BYTES:
                 shared.flow.cancel(place)
                 raise TypeError(
@@ -134,8 +117,13 @@ class Publisher:
                     f"(limit {protocol.MAX_REPLY_BYTES}): its str / bytes / scalar leaves travel in the "
                     "message; put large data in tensors or NumPy arrays"
                 )
-            seq = shared.flow.next_seq
-            shared.send_all(shared.flow.publish(place, frame))
+            keep = 0
+            if kept is not None:
+                keep = self.replay.kept.add(
+                    Kept(seq, kept[0], shared.flow.epoch, self.index, ref, kept[1], kept[2])
+                )
+            shared.send_all(shared.flow.publish(place, frame, keep))
+            self.replay.kept.prune(shared.flow.kept_from())
             self.index += 1
             where = self._restart_where() if self.tracker is not None else None
             stats = shared.stats
@@ -151,6 +139,30 @@ class Publisher:
             self.tracker.published(seq, self.epoch, self.first_seq, self.index - 1, content)
             self.tracker.save(*where)
         return batch
+
+    def _reserve(self) -> tuple[int, bool]:
+        """Wait for a place for the next batch (and whether a consumer checks fingerprints),
+        writing the kept batches joiners wait for meanwhile."""
+        shared = self.shared
+        box: list[tuple[str, int, int, bool]] = []
+
+        def reserved() -> bool:
+            if shared.flow.ended:
+                raise Closed(f"producer on {shared.config.endpoint} was closed")
+            job = shared.flow.restage() if len(self.replay.kept) else None
+            place = shared.flow.reserve() if job is None else None
+            if job is not None:
+                box.append(("restage", job[0], job[1], False))
+            elif place is not None:
+                box.append(("batch", -1, place, shared.fingerprints_wanted()))
+            return bool(box)
+
+        while True:
+            self.turns.wait(reserved, lambda: self._check_waiting("a free place", None))
+            what, seq, place, check = box.pop()
+            if what == "batch":
+                return place, check
+            self.replay.restage(seq, place)
 
     def _restart_where(self) -> tuple[int, int, int]:
         """(restart point, keep-from seq, consumers served) for the state file (lock held)."""
@@ -186,43 +198,53 @@ class Publisher:
             and time.monotonic() - shared.first_join >= self.grace
         )
 
-    def _size_replay(self, nbytes: int) -> None:
-        """Turn the replay budget into places, now that a batch's size is known."""
-        shared, config = self.shared, self.shared.config
-        places = min(config.replay // max(nbytes, 1), _MAX_REPLAY_BATCHES)
+    def _size_replay(self, plan: layout.Plan) -> None:
+        """Size the replay buffer now that a batch's size is known: at most the budget's bytes,
+        an epoch of batches, and (leaves in shared memory) what /dev/shm has room for."""
+        shared, config, nbytes = self.shared, self.shared.config, plan.nbytes
+        batches = retention.MAX_BATCHES
         if config.batches_per_epoch is not None:
-            places = min(places, config.batches_per_epoch)  # one whole epoch is all a joiner needs
-        places = self._fit(nbytes, places)
+            batches = min(batches, config.batches_per_epoch)  # one whole epoch is all a joiner needs
+        budget = self._fit(nbytes, config.replay, batches, retention.open_files(plan) > 0)
+        self.replay.kept.size(budget, batches)
         with shared.changed:
-            shared.flow.add_places(places)
-            shared.replay_places = places
-        log.info("replay buffer: %d batches of %d bytes (budget %d bytes)", places, nbytes, config.replay)
+            shared.replay_batches = min(budget // max(nbytes, 1), batches)
+        log.info(
+            "replay buffer: %d batches of %d bytes, kept where the loader made them (budget %d bytes)",
+            shared.replay_batches, nbytes, config.replay,
+        )  # fmt: skip
 
-    def _fit(self, nbytes: int, replay_places: int) -> int:
-        """The replay places that fit in the store's memory beside the window (the window's
-        places are made as the first batches are written): fewer than asked, saying so; and
-        if the window itself does not fit, refuse now, with the numbers and the remedies."""
+    def _fit(self, nbytes: int, budget: int, batches: int, shared_leaves: bool) -> int:
+        """Check the window's places fit the store's memory (refuse now, with the numbers and the
+        remedies, if not); the replay budget, cut (saying so) to half of what /dev/shm has left
+        when the loader's batches are in shared memory (a DataLoader's workers), so that keeping
+        them never leaves its workers short."""
         room = self.shared.store.room(nbytes)
-        if room is None:
-            return replay_places
-        fits, size, free, where = room.fits, room.arena_bytes, room.free_bytes, room.where
-        slots = self.shared.config.slots
-        window = self.shared.flow.place_count  # the window's places, replay not added yet
-        if fits < window:
+        window = self.shared.flow.place_count
+        if room is not None and room.fits < window:
+            slots, size = self.shared.config.slots, room.arena_bytes
             raise OSError(
                 errno.ENOSPC,
                 f"batches of {nbytes} bytes need {window} x {size / MIB:.1f} MiB = {window * size / MIB:.0f} MiB "
-                f"for slots={slots}, but {where} has {free / MIB:.0f} MiB free: lower slots= (at most "
-                f"{fits * slots // window} fit), make batches smaller, or {room.remedy}",
+                f"for slots={slots}, but {room.where} has {room.free_bytes / MIB:.0f} MiB free: lower slots= "
+                f"(at most {room.fits * slots // window} fit), make batches smaller, or {room.remedy}",
             )
-        if replay_places > fits - window:
+        shm = shm_room(nbytes)
+        if not shared_leaves or shm is None or budget <= 0:
+            return budget
+        free = shm.free_bytes - (
+            window * shm.arena_bytes if room is not None and room.where == shm.where else 0
+        )
+        room_for = max(0, free // 2)
+        if budget > room_for:
             log.warning(
-                "replay buffer cut from %d to %d batches: %s has %.0f MiB free and the window's %d places take %.0f MiB "
-                "(replay= sets the budget; to keep more, %s)",
-                replay_places, fits - window, where, free / MIB, window, window * size / MIB, room.remedy,
+                "replay buffer cut from %d to %d batches: %s has %.0f MiB free after the window's places, and "
+                "the loader's batches are in shared memory there (replay= sets the budget; to keep more, %s)",
+                min(budget // max(nbytes, 1), batches), room_for // max(nbytes, 1), shm.where, free / MIB,
+                shm.remedy,
             )  # fmt: skip
-            replay_places = fits - window
-        return replay_places
+            return room_for
+        return budget
 
     def start_epoch(self, loader: Any) -> None:
         """Open the next epoch of ``loader`` (an iterable, or a function returning one): tell
@@ -284,15 +306,19 @@ class Publisher:
         dead I/O thread are noticed. Raises TimeoutError at ``deadline``. Once it waits, the
         I/O thread is handed the sessions (what this waits for comes from there)."""
         shared = self.shared
-        with shared.changed:
-            if predicate():
-                return
-            if shared.publisher_at:  # hand the sessions back to the I/O thread at once
-                shared.publisher_at = 0.0
-                shared.wakeup.wake()
-            while not predicate():
-                self._check_waiting(what, deadline)
-                shared.changed.wait(TICK)
+        while True:
+            with shared.changed:
+                if predicate():
+                    return
+                if shared.publisher_at:  # hand the sessions back to the I/O thread at once
+                    shared.publisher_at = 0.0
+                    shared.wakeup.wake()
+                job = shared.flow.restage() if len(self.replay.kept) else None
+                if job is None:
+                    self._check_waiting(what, deadline)
+                    shared.changed.wait(TICK)
+                    continue
+            self.replay.restage(*job)  # a joiner waits for a kept batch (after END too: it is owed)
 
     def _check_waiting(self, what: str, deadline: float | None) -> None:
         """A wait's checks, each tick (lock held): the producer stopped, its I/O thread died,

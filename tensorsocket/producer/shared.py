@@ -15,7 +15,7 @@ is read and written under ``changed`` (a Condition over one lock), except where 
   its descriptors and admits consumers under it; close() closes it under it.
 * ``stats``: the caller's thread adds its timings; the I/O thread counts bad messages.
 * ``layouts``: the caller's thread numbers layouts; the I/O thread reads them for WELCOME.
-* ``first_join``, ``departed``: the I/O thread; ``replay_places``: the caller's thread.
+* ``first_join``, ``departed``: the I/O thread; ``replay_batches``: the caller's thread.
 * ``stop``: an Event, set by close() from any thread; ``wakeup``: any thread pokes it.
 * ``publisher_at``, ``publisher_polling``: the caller's thread's turn at the consumers'
   sessions (:mod:`.session_turns`): while it lasts, the I/O thread reads them only for what
@@ -37,6 +37,7 @@ from typing import Any
 
 from .. import gpu_memory, protocol
 from ..flow import Action, Deliver, Flow, GroupBroken, Skipped
+from ..layout import Plan
 from ..layout_table import LayoutTable
 from ..protocol import Kind
 from ..status import ConsumerStatus, GroupStatus, ProducerStatus, Report, rates
@@ -105,7 +106,7 @@ class Shared:
         # group members that left, described for the GROUP_BROKEN their group's others get
         # (some only once they were sent their share of the epoch); the last few
         self.departed: collections.OrderedDict[Hashable, str] = collections.OrderedDict()
-        self.replay_places = 0  # sized at the first batch, from its bytes
+        self.replay_batches = 0  # sized at the first batch, from its bytes
         # loader_wait: in next(loader); slot_wait: for the slowest consumer to free a place;
         # publish_time: writing and announcing (slot_wait included)
         self.stats: dict[str, Any] = {
@@ -113,6 +114,7 @@ class Shared:
             "loader_wait": 0.0,
             "slot_wait": 0.0,
             "publish_time": 0.0,
+            "restaged": 0,  # kept batches written into a place again for a joiner
             "bad_messages": 0,
         }
         self.born = time.monotonic()
@@ -182,6 +184,19 @@ class Shared:
             if transport in (None, peer.transport):
                 self.post(cid, frame)
 
+    def write(self, place: int, plan: Plan, check: bool) -> int | None:
+        """Write ``plan`` into the reserved ``place`` (lock not held), announcing a larger
+        arena first if it needs one; its fingerprint if the store took one."""
+        arena = self.store.prepare(place, plan.nbytes)  # slow for big arenas: not under the lock
+        if arena is not None:
+            with self.changed:
+                for descriptor in self.store.install(arena):  # one per transport served
+                    self.broadcast(protocol.encode(Kind.ARENA, arena=descriptor), descriptor[0])
+        # Announce after completion: the BATCH goes out only once the bytes are where
+        # consumers read them (on a GPU, the copy's event fired), so no consumer ever
+        # waits on the producer's GPU work.
+        return self.store.write(place, plan, check).wait()
+
     def fingerprints_wanted(self) -> bool:
         """Does a joined consumer check fingerprints (lock held)? A host consumer that maps
         batches read-only (the default) needs none; computing one was ~10% of the
@@ -246,8 +261,9 @@ class Shared:
             "uptime_s": round(max(now - self.born, 1e-9), 3),
             "slots": config.slots,
             "places": flow.place_count,
-            "replay_places": self.replay_places,
+            "replay_batches": self.replay_batches,
             "replay_budget_bytes": config.replay,
+            "kept_batches": flow.kept(),
             "resident_batches": flow.resident(),
             "slot_bytes": self.store.bytes,
             "transport": self.store.kind,

@@ -103,6 +103,10 @@ class Store(abc.ABC):
         whether a consumer will check one (a store may compute it anyway)."""
 
     @abc.abstractmethod
+    def region(self, place: int) -> torch.Tensor:
+        """``place``'s whole arena, flat uint8, where it lives (host or device)."""
+
+    @abc.abstractmethod
     def describe(self) -> list[list[Any]]:
         """The descriptors of every installed arena, of every transport served (tagged)."""
 

@@ -148,6 +148,9 @@ class CudaStore(Store):
         )
         return Room(free // size, size, free, where, remedy)
 
+    def region(self, place: int) -> torch.Tensor:
+        return self._arenas[place].tensor
+
     def install(self, prepared: tuple[int, Any]) -> list[list[Any]]:
         place, allocation = prepared
         if self._closed:

@@ -161,6 +161,20 @@ class _Arena:
             pass
 
 
+def room(nbytes: int) -> Room | None:
+    """How many more shared-memory arenas for ``nbytes`` fit in /dev/shm now; None if unknown."""
+    try:
+        free = shutil.disk_usage(SHM_DIR).free
+    except OSError:
+        return None
+    size = _arena_size(None, nbytes)
+    remedy = (
+        "give the container more shared memory (docker run --shm-size=..., Kubernetes: an emptyDir "
+        "with medium: Memory)"
+    )
+    return Room(free // size, size, free, SHM_DIR, remedy)
+
+
 class ShmStore(Store):
     """Producer side: one arena per place, allocated when first needed.
 
@@ -223,16 +237,7 @@ class ShmStore(Store):
     def room(self, nbytes: int) -> Room | None:
         """How many more arenas for ``nbytes`` fit in /dev/shm now (a container's is often
         64 MiB: better to know at the first batch than to hit ENOSPC a few batches later)."""
-        try:
-            free = shutil.disk_usage(SHM_DIR).free
-        except OSError:
-            return None
-        size = _arena_size(None, nbytes)
-        remedy = (
-            "give the container more shared memory (docker run --shm-size=..., Kubernetes: an emptyDir "
-            "with medium: Memory)"
-        )
-        return Room(free // size, size, free, SHM_DIR, remedy)
+        return room(nbytes)
 
     def region(self, place: int) -> torch.Tensor:
         """``place``'s whole arena, flat uint8 (a GPU store fills its host mirror through it)."""

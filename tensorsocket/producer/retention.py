@@ -1,0 +1,210 @@
+"""The batches a producer keeps for replay: the loader's own batches, held by reference (no
+copy, no place of their own), written into a place again when a late joiner is to be sent one
+(:meth:`tensorsocket.flow.Flow.restage`).
+
+Why: a replay buffer of places meant that every batch of the first epoch went to a place made
+for it, and every consumer mapped it: in the 4-trainer JPEG scenario (19 MB batches) the
+producer spent 8-10 ms a batch more and the consumers together 4-5 ms more than with
+``replay=0`` (``sharing-vm-2026-11-24-cpu-split.json``), and on a GPU the buffer was GPU memory.
+Kept by reference, a batch costs nothing until a joiner needs it; then one copy into a place.
+
+Bounds: bytes (the replay budget), batches (one epoch, at most 4096), and open files: a
+DataLoader's worker hands each tensor over in shared memory whose file descriptor the tensor
+keeps open (measured: 200 kept batches of 2 tensors held 400 more), so leaves in shared memory
+count against a quarter of the process's file limit.
+
+Exactness: a kept batch is the loader's memory, which a loader that reuses its buffers, or a
+producer loop that changes a batch in place, may change after it was published. Each kept
+batch's sampled fingerprint is taken when it is published, and the newest one is checked when
+the next batch is pulled. If it changed, its bytes are copied back out of its place (still
+intact then), and from then on every batch is kept as such a copy, with a warning. At re-stage
+a batch is checked again, and one that changed anyway stops the producer with an error rather
+than be sent under its number with other bytes.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import resource
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import layout, protocol
+from ..transport.base import Store
+from .io_loop import IoLoop
+from .shared import Shared
+
+log = logging.getLogger("tensorsocket")
+
+MAX_BATCHES = 4096  # a joiner never needs more than an epoch; this bounds the bookkeeping
+
+
+@dataclass
+class Kept:
+    """One kept batch and what its BATCH message needs besides the place."""
+
+    seq: int
+    plan: layout.Plan  # the loader's leaves, or one flat uint8 leaf: a copy of the place's bytes
+    epoch: int
+    index: int
+    layout: Any  # the layout's number in the stream's table (or the layout itself)
+    fingerprint: int | None  # of the leaves' bytes at publish; None for a copy (ours: it cannot change)
+    files: int  # file descriptors its leaves hold open
+
+
+class Retention:
+    """The kept batches, oldest first. Used under the producer's lock."""
+
+    def __init__(self) -> None:
+        self.budget = 0  # bytes; 0: keep nothing
+        self.max_batches = 0
+        self.max_files = max(16, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4)
+        self.copies = False  # a kept batch changed after it was published: keep copies from now on
+        self._kept: collections.deque[Kept] = collections.deque()
+        self._by_seq: dict[int, Kept] = {}
+
+    def size(self, budget: int, max_batches: int) -> None:
+        self.budget, self.max_batches = budget, min(max_batches, MAX_BATCHES)
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def get(self, seq: int) -> Kept:
+        return self._by_seq[seq]
+
+    def add(self, kept: Kept) -> int:
+        """Keep ``kept`` (just published); how many of the newest batches fit the bounds."""
+        self._kept.append(kept)
+        self._by_seq[kept.seq] = kept
+        count = nbytes = files = 0
+        for k in reversed(self._kept):
+            nbytes += k.plan.nbytes
+            files += k.files
+            if count >= self.max_batches or nbytes > self.budget or files > self.max_files:
+                break
+            count += 1
+        return count
+
+    def prune(self, kept_from: int) -> None:
+        """Let go of every batch before ``kept_from`` (the flow keeps none of them)."""
+        while self._kept and self._kept[0].seq < kept_from:
+            del self._by_seq[self._kept.popleft().seq]
+
+    def newest_changed(self) -> Kept | None:
+        """The newest kept batch, if its bytes are not what was published (checked when the next
+        batch was pulled: a loader that reuses its buffer has written the next one there)."""
+        if not self._kept or self._kept[-1].fingerprint is None:
+            return None
+        newest = self._kept[-1]
+        return newest if layout.plan_fingerprint(newest.plan) != newest.fingerprint else None
+
+    def replace(self, seq: int, copy: torch.Tensor) -> None:
+        """Keep ``copy`` (the place's bytes, copied out) for ``seq`` instead of the loader's leaves."""
+        old = self._by_seq[seq]
+        old.plan, old.fingerprint, old.files = flat_plan(copy), None, 0
+
+
+def open_files(plan: layout.Plan) -> int:
+    """File descriptors the plan's leaves keep open: one per tensor in shared memory (a
+    DataLoader worker's), none for ordinary, pinned or GPU memory."""
+    return sum(1 for src in plan.sources if isinstance(src, torch.Tensor) and src.is_shared() and src.is_cpu)
+
+
+def flat_plan(data: torch.Tensor) -> layout.Plan:
+    """A plan that writes ``data`` (a place's bytes, flat uint8) back as they were."""
+    nbytes = data.numel()
+    return layout.Plan(None, (layout.Leaf("uint8", (nbytes,), 0, nbytes),), (data,), nbytes)
+
+
+def copy_out(store: Store, place: int, nbytes: int) -> torch.Tensor:
+    """A host copy of a written place's first ``nbytes``."""
+    return store.region(place)[:nbytes].to("cpu", copy=True)
+
+
+class Replay:
+    """The producer's side of replay: what it keeps of each batch it publishes, the checks that
+    a kept batch did not change, and writing one into a place again for a joiner. Used by the
+    thread that publishes, and by whichever waits for consumers (close() too), lock not held."""
+
+    def __init__(self, shared: Shared, io: IoLoop) -> None:
+        self.shared, self.io = shared, io
+        self.kept = Retention()
+
+    def to_keep(self, place: int, plan: layout.Plan) -> tuple[layout.Plan, int | None, int] | None:
+        """What to keep of a batch just written into ``place`` for replay: the loader's leaves
+        and their fingerprint (and the files they hold open), or, once a kept batch changed
+        after it was published, a copy of the place's bytes; None when keeping nothing."""
+        if not self.kept.budget:
+            return None
+        if self.kept.copies:
+            return flat_plan(copy_out(self.shared.store, place, plan.nbytes)), None, 0
+        return plan, layout.plan_fingerprint(plan), open_files(plan)
+
+    def check_newest(self) -> None:
+        """The newest kept batch, checked now that the next one was pulled: if the loader reused
+        its buffer (or the loop changed the batch in place), keep a copy of its place's bytes,
+        and copies from now on."""
+        shared = self.shared
+        with shared.changed:
+            changed = self.kept.newest_changed()
+            if changed is None:
+                return
+            place = shared.flow.place_of(changed.seq)
+            if not self.kept.copies:
+                log.warning(
+                    "batch %d of epoch %d changed after it was published (the loader reuses its output "
+                    "buffers, or the producer's loop changes batches in place): from now on the producer "
+                    "keeps a copy of each batch for replay (replay=0 keeps none)",
+                    changed.index, changed.epoch,
+                )  # fmt: skip
+                self.kept.copies = True
+            if place is not None:
+                self.kept.replace(changed.seq, copy_out(shared.store, place, changed.plan.nbytes))
+
+    def restage(self, seq: int, place: int) -> None:
+        """Write kept batch ``seq`` into ``place`` again (a joiner is to be sent it) and send it."""
+        shared = self.shared
+        with shared.changed:
+            kept = self.kept.get(seq)
+            check = shared.fingerprints_wanted()
+        if kept.fingerprint is not None and layout.plan_fingerprint(kept.plan) != kept.fingerprint:
+            self._cannot_resend(kept, place)
+            return
+        try:
+            fingerprint = shared.write(place, kept.plan, check)
+        except BaseException:
+            with shared.changed:
+                shared.flow.cancel(place)
+            raise
+        with shared.changed:
+            if fingerprint is None and shared.fingerprints_wanted():
+                fingerprint = shared.store.fingerprint(place, kept.plan.nbytes)
+            frame = protocol.encode_batch(seq, kept.epoch, kept.index, place, kept.layout, fingerprint)
+            shared.send_all(shared.flow.restaged(place, frame))
+            shared.stats["restaged"] += 1
+            wake = shared.io_wanted
+        if wake:
+            shared.wakeup.wake()
+
+    def _cannot_resend(self, kept: Kept, place: int) -> None:
+        """Kept batch ``kept`` changed after it was published, unnoticed until now: rather than
+        send other bytes under its number, evict the joiners waiting for it, saying why."""
+        shared = self.shared
+        reason = (
+            f"batch {kept.index} of epoch {kept.epoch} changed after it was published, so it cannot be sent "
+            "again as it was: the producer's loader reuses its output buffers, or its loop changes batches "
+            "in place. Start with the next epoch (late_join='next_epoch'), or give the producer replay=0 "
+            "or a loader that makes each batch anew"
+        )
+        with shared.changed:
+            shared.flow.cancel(place)
+            waiting = [cid for cid, state in shared.flow.consumers.items() if state.wants == kept.seq]
+            for cid in waiting:
+                self.io.evict(cid, reason)
+            wake = shared.io_wanted
+        log.error("%s (%d consumer(s) evicted)", reason, len(waiting))
+        if wake:
+            shared.wakeup.wake()
