@@ -57,106 +57,26 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Hashable, Iterable
-from dataclasses import dataclass, field
-from enum import Enum, IntEnum
 from typing import Any
 
 from .flow_groups import Forming, Group, GroupBroken, Membership, Tail, share
+from .flow_replay import Replaying
+from .flow_types import (
+    Action,
+    ConsumerState,
+    Deliver,
+    Entry,
+    EntryKind,
+    LateJoin,
+    Place,
+    PlaceState,
+    Skipped,
+)
 
-__all__ = ["GroupBroken", "Membership", "Tail"]  # group rules, in flow_groups
-
-
-class EntryKind(Enum):
-    BATCH = "batch"
-    EPOCH_END = "epoch_end"
-    END = "end"
-
-
-class LateJoin(str, Enum):
-    """Where a consumer that joins mid-epoch starts (see the module docstring)."""
-
-    REPLAY = "replay"
-    NEXT_EPOCH = "next_epoch"
-    NOW = "now"
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One position of the stream; ``payload`` is opaque here (the encoded message).
-    ``epoch`` and ``index`` (a batch's position in its epoch) are derived from the stream."""
-
-    seq: int
-    kind: EntryKind
-    place: int | None
-    payload: Any
-    epoch: int = field(default=0, compare=False)
-    index: int = field(default=0, compare=False)
-
-
-@dataclass(frozen=True)
-class Deliver:
-    """Action: send ``entry`` to ``consumer``."""
-
-    consumer: Hashable
-    entry: Entry
-
-
-@dataclass(frozen=True)
-class Skipped:
-    """Action: tell ``consumer`` that its next ``count`` batches were skipped (it lagged more
-    than ``max_lag``); what it is sent next follows them."""
-
-    consumer: Hashable
-    count: int
-
-
-Action = Deliver | Skipped | GroupBroken
-
-
-class PlaceState(IntEnum):
-    """FREE -> FILLING (reserve) -> PUBLISHED (publish) -> FILLING (reserve again) ...;
-    FILLING -> FREE on cancel."""
-
-    FREE = 0
-    FILLING = 1
-    PUBLISHED = 2
-
-
-@dataclass
-class _Place:
-    state: PlaceState = PlaceState.FREE
-    seq: int | None = None
-    holders: set[Hashable] = field(default_factory=set)
-
-
-@dataclass
-class ConsumerState:
-    """What the flow knows of one consumer. Read-only for callers."""
-
-    prefetch: int
-    cursor: int | None
-    policy: LateJoin = LateJoin.REPLAY
-    held: dict[int, int] = field(default_factory=dict)  # seq -> place
-    received: int = 0  # batches sent
-    skipped: int = 0  # batches jumped over (policy skip)
-    finished: bool = False  # END was sent
-    catching_up: bool = False  # joined further behind than the limit allows, not yet caught up
-    group: Group | None = None
-    rank: int = 0
-    last_sent: Entry | None = None  # the last entry sent to it
-    # group members: the seq after which it is sent nothing more (its group broke), or None
-    cut_after: int | None = None
-    broken: bool = False  # its group broke: sent nothing more, no cursor
-    at: tuple[int, int] | None = None  # the position a restored group member asked for
-    rejoined: bool = False  # ``at`` is where it rejoins a restarted producer (what it received)
-    ready: bool = True  # a group member: its trainer began iterating (its group may start)
-    resume_index: int = 0  # waiting for the next epoch: start at this batch of it
-    wants: int | None = None  # the kept batch, in no place now, it waits for (see restage())
-
-    @property
-    def forming(self) -> bool:
-        """A member of a group that has not started (not all of its ranks joined yet)."""
-        return self.group is not None and not self.group.started
+__all__ = [  # the values it works with, in flow_types; group rules, in flow_groups
+    "Action", "ConsumerState", "Deliver", "Entry", "EntryKind", "Flow", "GroupBroken", "LateJoin",
+    "Membership", "PlaceState", "Skipped", "Tail",
+]  # fmt: skip
 
 
 def _checked_places(window: Any, places: Any, max_lag: Any) -> int:
@@ -174,14 +94,14 @@ def _checked_places(window: Any, places: Any, max_lag: Any) -> int:
     return places
 
 
-class Flow:
+class Flow(Replaying):
     """Places, consumers and the stream log. See the module docstring for the rules."""
 
     def __init__(self, window: int, places: int | None = None, max_lag: int | None = None) -> None:
         places = _checked_places(window, places, max_lag)
         self.window = window
         self.max_lag = max_lag
-        self._places = [_Place() for _ in range(places)]
+        self._places = [Place() for _ in range(places)]
         self._free = list(range(places - 1, -1, -1))  # never used (or cancelled): lowest index first
         # The newest published batches the producer keeps (a suffix of the stream's batches),
         # and the places being filled again with one of them (place -> seq).
@@ -225,19 +145,6 @@ class Flow:
     def resident(self) -> int:
         """Published batches still in a place (in flight or kept for replay)."""
         return sum(s.state is PlaceState.PUBLISHED for s in self._places)
-
-    def place_of(self, seq: int) -> int | None:
-        """The place batch ``seq`` is in, or None if it is in none."""
-        entry = self._log.get(seq)
-        return (
-            entry.place
-            if entry is not None and entry.kind is EntryKind.BATCH and self._resident(seq)
-            else None
-        )
-
-    def kept(self) -> int:
-        """Batches the producer keeps for replay (in a place or not)."""
-        return len(self._kept)
 
     def serving(self) -> int:
         """Consumers the stream is for: not waiting for the rest of their group, not cut off."""
@@ -481,7 +388,7 @@ class Flow:
         if type(n) is not int or n < 0:
             raise ValueError(f"n must be a non-negative int, got {n!r}")
         first = len(self._places)
-        self._places.extend(_Place() for _ in range(n))
+        self._places.extend(Place() for _ in range(n))
         self._free[:0] = range(first + n - 1, first - 1, -1)  # after the existing free ones
 
     def reserve(self) -> int | None:
@@ -502,55 +409,6 @@ class Flow:
         if not spare:
             return None
         return self._fill(min(spare, key=lambda i: self._places[i].seq))  # type: ignore[arg-type, return-value]
-
-    def restage(self) -> tuple[int, int] | None:
-        """A kept batch some consumer waits for (it is in no place now: a joiner replaying it)
-        and a place to write it into again, or None while there is none or no place is free.
-        The producer writes it there and calls :meth:`restaged`. Ignores the window: only the
-        batch's own consumers are sent it.
-
-        The place: a never-used one, else the oldest batch nobody holds or is owed, else, of
-        the kept batches nobody holds, the newest (the one its waiters need last)."""
-        busy = set(self._restaging.values())
-        wanted = [c.wants for c in self.consumers.values() if c.wants is not None and c.wants not in busy]
-        if not wanted:
-            return None
-        seq = min(wanted)  # type: ignore[type-var]
-        if self._free:
-            place = self._free.pop()
-        else:
-            owed_from, unheld = self._owed_from(), self._unheld()
-            spare = [i for i in unheld if self._places[i].seq < owed_from]  # type: ignore[operator]
-            kept = [i for i in unheld if self._places[i].seq in self._kept_set]
-            if spare:
-                place = min(spare, key=lambda i: self._places[i].seq)  # type: ignore[arg-type, return-value]
-            elif kept:
-                place = max(kept, key=lambda i: self._places[i].seq)  # type: ignore[arg-type, return-value]
-            else:
-                return None
-        self._fill(place)
-        self._restaging[place] = seq
-        return seq, place
-
-    def restaged(self, place: int, payload: Any) -> list[Action]:
-        """The place :meth:`restage` gave holds its batch again (``payload``: the message that
-        names this place); send it to the consumers waiting for it."""
-        seq = self._restaging.pop(place, None)
-        s = self._places[place]
-        if seq is None or s.state is not PlaceState.FILLING:
-            raise RuntimeError(f"place {place} is not being filled again")
-        s.state, s.seq = PlaceState.PUBLISHED, seq
-        entry = self._log.get(seq)
-        if entry is None:  # nobody can still be sent it (its waiters left): it stays, unwanted
-            return []
-        self._log[seq] = Entry(seq, entry.kind, place, payload, entry.epoch, entry.index)
-        out: list[Action] = []
-        for cid, state in self.consumers.items():
-            if state.wants == seq:
-                out.extend(self._deliver(cid, state))
-        out.extend(self._settle())
-        self._trim()
-        return out
 
     def cancel(self, place: int) -> None:
         """Give back a reserved place that was not written (the write failed)."""
@@ -573,24 +431,8 @@ class Flow:
         if type(keep) is not int or keep < 0:
             raise ValueError(f"keep must be a non-negative int, got {keep!r}")
         s.state, s.seq = PlaceState.PUBLISHED, self.next_seq
-        if keep:
-            self._kept.append(self.next_seq)
-            self._kept_set.add(self.next_seq)
-        owed_from = self._owed_from()
-        while len(self._kept) > keep:
-            oldest = self._kept[0]
-            if oldest >= owed_from and not self._resident(oldest):
-                break  # a consumer is still owed it, and only the producer has it
-            self._kept.popleft()
-            self._kept_set.discard(oldest)
-            if not self._resident(oldest):
-                self._lose(oldest)
+        self._keep(self.next_seq, keep)
         return self._append(EntryKind.BATCH, place, payload)
-
-    def kept_from(self) -> int:
-        """The oldest seq the producer must still keep (``next_seq`` if none): it may let go of
-        every batch before it."""
-        return self._kept[0] if self._kept else self.next_seq
 
     def end_epoch(self, payload: Any) -> list[Action]:
         """Append an EPOCH_END marker; consumers waiting for a boundary start after it."""
@@ -745,32 +587,6 @@ class Flow:
         if self.max_lag is None:
             return all(self._lag(c) < self.window for c in active)
         return self._leader_lag() < self.window and not any(c.catching_up for c in active)
-
-    def _fill(self, place: int) -> int:
-        """Reserve ``place`` (FREE, or PUBLISHED with nobody holding it): its batch, unless
-        kept, is lost to joiners from now on."""
-        s = self._places[place]
-        if s.seq is not None and s.seq not in self._kept_set:
-            self._lose(s.seq)
-        s.state, s.seq = PlaceState.FILLING, None
-        return place
-
-    def _lose(self, seq: int) -> None:
-        """Batch ``seq`` is in no place and not kept: nobody can be sent it, or anything before it."""
-        self._replay_from = max(self._replay_from, seq + 1)
-        if seq >= self._epoch_start:
-            self._replay_open = False
-
-    def _unheld(self) -> list[int]:
-        return [i for i, s in enumerate(self._places) if s.state is PlaceState.PUBLISHED and not s.holders]
-
-    def _owed_from(self) -> int:
-        """Batches from here on are still owed to some consumer."""
-        return min((c.cursor for c in self.consumers.values() if c.cursor is not None), default=self.next_seq)
-
-    def _available(self, seq: int) -> bool:
-        """Can entry ``seq`` be sent: in its place, or kept (and so written there again)?"""
-        return self._resident(seq) or seq in self._kept_set
 
     def _resident(self, seq: int) -> bool:
         entry = self._log.get(seq)

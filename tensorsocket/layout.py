@@ -235,20 +235,6 @@ def fingerprint(region: torch.Tensor | np.ndarray) -> int:
     return fingerprint_of(region[::stride], n)
 
 
-def plan_fingerprint(p: Plan) -> int:
-    """A sampled fingerprint of every leaf's bytes where the leaf is (host or GPU), read
-    through :func:`sampling` (~1 KiB a leaf): the same batch gives the same number wherever
-    it was written, padding between leaves not read."""
-    total = 0
-    for leaf, src in zip(p.leaves, p.sources, strict=True):
-        if leaf.nbytes:
-            stride, _ = sampling(leaf.nbytes)
-            data = leaf_bytes(src)
-            samples = data.numpy()[::stride] if data.device.type == "cpu" else data[::stride].cpu().numpy()
-            total = (total * 1_000_003 + fingerprint_of(samples, leaf.nbytes)) % (1 << 64)
-    return total
-
-
 def sampling(n: int) -> tuple[int, int]:
     """(stride, count): the fingerprint of an ``n``-byte region reads bytes 0, stride, ...,
     (count - 1) x stride."""

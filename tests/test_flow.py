@@ -124,13 +124,10 @@ class FlowMachine(RuleBasedStateMachine):
     def _wanted(self) -> set[int]:
         """Kept batches in no place that a consumer is to be sent next, with room to take them."""
         out = set()
-        for m in self.consumers.values():
-            pos = self._position(m)
-            if m.finished or pos is None or pos >= self.next_seq or len(m.held) >= m.prefetch:
-                continue
-            if self.log[pos].kind is BATCH and not self._resident(pos):
-                assert pos in self.kept, ("owed a batch nobody has", pos)
-                out.add(pos)
+        for cid in self._waiting():
+            pos = self._position(self.consumers[cid])
+            assert pos in self.kept, ("owed a batch nobody has", pos)
+            out.add(pos)
         return out
 
     def _expected_first(self, m: ConsumerModel) -> int | None:
@@ -445,12 +442,26 @@ class FlowMachine(RuleBasedStateMachine):
 
     def _usable(self, place: int) -> bool:
         """May a re-stage write into ``place``: free, or nobody holds its batch and nobody is
-        owed it or it is kept."""
+        owed it, or it is kept and owed only to consumers waiting for a re-stage themselves."""
         if self._free(place):
             return True
         seq = self.memory[place]
         held = any(m.held.get(seq) == place for m in self.consumers.values())
-        return not held and (not self._owed(seq) or seq in self.kept)
+        waiting = self._waiting()
+        streaming = [m for cid, m in self.consumers.items() if cid not in waiting]
+        owed_streaming = any((pos := self._position(m)) is not None and pos <= seq for m in streaming)
+        return not held and (not self._owed(seq) or (seq in self.kept and not owed_streaming))
+
+    def _waiting(self) -> set[Hashable]:
+        """The consumers waiting for a kept batch to be re-staged (see :meth:`_wanted`)."""
+        out = set()
+        for cid, m in self.consumers.items():
+            pos = self._position(m)
+            if m.finished or pos is None or pos >= self.next_seq or len(m.held) >= m.prefetch:
+                continue
+            if self.log[pos].kind is BATCH and not self._resident(pos):
+                out.add(cid)
+        return out
 
     @rule(cancel=st.booleans())
     def restage(self, cancel: bool) -> None:
@@ -477,6 +488,7 @@ class FlowMachine(RuleBasedStateMachine):
             assert place in free, (place, free)
         elif spare:
             assert self.memory[place] == min(self.memory[i] for i in spare), (place, spare)
+            event("restage: into a spare place")
         else:
             newest = max(self.memory[i] for i in range(self.k) if self._usable(i))
             assert self.memory[place] == newest, ("did not take the kept batch needed last", place)

@@ -195,7 +195,7 @@ class IoLoop:
             self.sessions.drop(cid)
             peer = self.shared.peers.get(cid)
             if peer is not None and peer.local and not pid_alive(peer.pid):
-                self._drop(cid, "died; evicted")
+                self.drop(cid, "died; evicted")
             self.shared.notify()
 
     def _bad(self, cid: bytes, reason: str) -> None:
@@ -229,7 +229,7 @@ class IoLoop:
         elif kind is Kind.READY:
             shared.send_all(shared.flow.ready(cid, *position(self.shared.config.stream, msg["resume"])))
         elif kind is Kind.BYE:
-            self._drop(cid, "left")
+            self.drop(cid, "left")
         elif kind is Kind.MODIFIED:
             log.error(
                 "%s reports batch %d (epoch %d, index %d) changed in shared memory while it held it; "
@@ -303,13 +303,11 @@ class IoLoop:
             where = f"is rank {state.rank} of group {state.group.name!r}; it {where}"
         log.info("%s joined (%d connected); it %s", peer.describe(), len(shared.peers), where)
 
-    def evict(self, cid: Hashable, reason: str) -> None:
-        """Tell ``cid`` it was evicted, and why, then drop it (lock held; any thread)."""
-        self.shared.post(cid, protocol.encode(Kind.EVICTED, reason=reason))
-        self._drop(cid, "evicted")
-
-    def _drop(self, cid: Hashable, why: str) -> None:
+    def drop(self, cid: Hashable, why: str, evicted: str | None = None) -> None:
+        """Forget ``cid`` (lock held; any thread); ``evicted``: tell it so, and why, first."""
         shared = self.shared
+        if evicted is not None:
+            shared.post(cid, protocol.encode(Kind.EVICTED, reason=evicted))
         peer = shared.peers.pop(cid, None)
         state = shared.flow.consumers.get(cid)
         if peer is not None and state is not None and state.group is not None:
@@ -326,9 +324,9 @@ class IoLoop:
         with shared.changed:
             for cid, peer in list(shared.peers.items()):
                 if peer.local and not pid_alive(peer.pid):
-                    self._drop(cid, "died; evicted")
+                    self.drop(cid, "died; evicted")
                 elif now - peer.last_seen > peer.timeout:
-                    self._drop(cid, f"was silent for {now - peer.last_seen:.1f} s; evicted")
+                    self.drop(cid, f"was silent for {now - peer.last_seen:.1f} s; evicted")
                     reason = f"evicted after {peer.timeout:g} s without a message"
                     shared.post(cid, protocol.encode(Kind.EVICTED, reason=reason))
                 elif now - peer.last_sent > _heartbeat_interval(peer):

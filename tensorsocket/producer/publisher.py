@@ -7,7 +7,6 @@ is alive, so no wait here outlives the producer.
 
 from __future__ import annotations
 
-import errno
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -16,8 +15,6 @@ from typing import Any
 from .. import layout, layout_table, protocol, sharding
 from ..errors import Closed, IoThreadDied
 from ..protocol import Kind
-from ..transport.shm import room as shm_room
-from . import retention
 from .io_loop import IoLoop
 from .restart import Resumed, Tracker, content_fingerprint
 from .retention import Kept, Replay
@@ -26,7 +23,6 @@ from .shared import TICK, Shared
 
 log = logging.getLogger("tensorsocket")
 
-MIB = 1 << 20
 _REJOIN_GRACE = 10.0  # seconds a successor waits for all its predecessor's consumers
 
 
@@ -82,7 +78,7 @@ class Publisher:
         plan = layout.plan(batch)
         content = self._check_content(plan)
         if not self.started:
-            self._size_replay(plan)
+            self.replay.size(plan)
         self.started = True
         if self.replay.kept.budget:
             self.replay.check_newest()
@@ -102,6 +98,7 @@ class Publisher:
             raise
         with shared.changed:
             if shared.flow.ended:  # closed while we wrote
+                shared.flow.cancel(place)  # (a joiner's replay may still need a place)
                 raise Closed(f"producer on {endpoint} was closed")
             if fingerprint is None and shared.fingerprints_wanted():  # one joined while we wrote
                 fingerprint = shared.store.fingerprint(place, plan.nbytes)
@@ -162,7 +159,15 @@ class Publisher:
             what, seq, place, check = box.pop()
             if what == "batch":
                 return place, check
+            self._restage(seq, place)
+
+    def _restage(self, seq: int, place: int) -> None:
+        try:
             self.replay.restage(seq, place)
+        except Exception:
+            if self.closing:  # close() from another thread closed the store under us
+                raise Closed(f"producer on {self.shared.config.endpoint} was closed") from None
+            raise
 
     def _restart_where(self) -> tuple[int, int, int]:
         """(restart point, keep-from seq, consumers served) for the state file (lock held)."""
@@ -197,54 +202,6 @@ class Publisher:
             and shared.first_join is not None
             and time.monotonic() - shared.first_join >= self.grace
         )
-
-    def _size_replay(self, plan: layout.Plan) -> None:
-        """Size the replay buffer now that a batch's size is known: at most the budget's bytes,
-        an epoch of batches, and (leaves in shared memory) what /dev/shm has room for."""
-        shared, config, nbytes = self.shared, self.shared.config, plan.nbytes
-        batches = retention.MAX_BATCHES
-        if config.batches_per_epoch is not None:
-            batches = min(batches, config.batches_per_epoch)  # one whole epoch is all a joiner needs
-        budget = self._fit(nbytes, config.replay, batches, retention.open_files(plan) > 0)
-        self.replay.kept.size(budget, batches)
-        with shared.changed:
-            shared.replay_batches = min(budget // max(nbytes, 1), batches)
-        log.info(
-            "replay buffer: %d batches of %d bytes, kept where the loader made them (budget %d bytes)",
-            shared.replay_batches, nbytes, config.replay,
-        )  # fmt: skip
-
-    def _fit(self, nbytes: int, budget: int, batches: int, shared_leaves: bool) -> int:
-        """Check the window's places fit the store's memory (refuse now, with the numbers and the
-        remedies, if not); the replay budget, cut (saying so) to half of what /dev/shm has left
-        when the loader's batches are in shared memory (a DataLoader's workers), so that keeping
-        them never leaves its workers short."""
-        room = self.shared.store.room(nbytes)
-        window = self.shared.flow.place_count
-        if room is not None and room.fits < window:
-            slots, size = self.shared.config.slots, room.arena_bytes
-            raise OSError(
-                errno.ENOSPC,
-                f"batches of {nbytes} bytes need {window} x {size / MIB:.1f} MiB = {window * size / MIB:.0f} MiB "
-                f"for slots={slots}, but {room.where} has {room.free_bytes / MIB:.0f} MiB free: lower slots= "
-                f"(at most {room.fits * slots // window} fit), make batches smaller, or {room.remedy}",
-            )
-        shm = shm_room(nbytes)
-        if not shared_leaves or shm is None or budget <= 0:
-            return budget
-        free = shm.free_bytes - (
-            window * shm.arena_bytes if room is not None and room.where == shm.where else 0
-        )
-        room_for = max(0, free // 2)
-        if budget > room_for:
-            log.warning(
-                "replay buffer cut from %d to %d batches: %s has %.0f MiB free after the window's places, and "
-                "the loader's batches are in shared memory there (replay= sets the budget; to keep more, %s)",
-                min(budget // max(nbytes, 1), batches), room_for // max(nbytes, 1), shm.where, free / MIB,
-                shm.remedy,
-            )  # fmt: skip
-            return room_for
-        return budget
 
     def start_epoch(self, loader: Any) -> None:
         """Open the next epoch of ``loader`` (an iterable, or a function returning one): tell
@@ -318,7 +275,7 @@ class Publisher:
                     self._check_waiting(what, deadline)
                     shared.changed.wait(TICK)
                     continue
-            self.replay.restage(*job)  # a joiner waits for a kept batch (after END too: it is owed)
+            self._restage(*job)  # a joiner waits for a kept batch (after END too: it is owed)
 
     def _check_waiting(self, what: str, deadline: float | None) -> None:
         """A wait's checks, each tick (lock held): the producer stopped, its I/O thread died,

@@ -25,6 +25,7 @@ than be sent under its number with other bytes.
 from __future__ import annotations
 
 import collections
+import errno
 import logging
 import resource
 from dataclasses import dataclass
@@ -34,11 +35,14 @@ import torch
 
 from .. import layout, protocol
 from ..transport.base import Store
+from ..transport.shm import room as shm_room
 from .io_loop import IoLoop
+from .restart import plan_fingerprint
 from .shared import Shared
 
 log = logging.getLogger("tensorsocket")
 
+MIB = 1 << 20
 MAX_BATCHES = 4096  # a joiner never needs more than an epoch; this bounds the bookkeeping
 
 
@@ -99,7 +103,7 @@ class Retention:
         if not self._kept or self._kept[-1].fingerprint is None:
             return None
         newest = self._kept[-1]
-        return newest if layout.plan_fingerprint(newest.plan) != newest.fingerprint else None
+        return newest if plan_fingerprint(newest.plan) != newest.fingerprint else None
 
     def replace(self, seq: int, copy: torch.Tensor) -> None:
         """Keep ``copy`` (the place's bytes, copied out) for ``seq`` instead of the loader's leaves."""
@@ -133,6 +137,54 @@ class Replay:
         self.shared, self.io = shared, io
         self.kept = Retention()
 
+    def size(self, plan: layout.Plan) -> None:
+        """Size the replay buffer now that a batch's size is known: at most the budget's bytes,
+        an epoch of batches, and (leaves in shared memory) what /dev/shm has room for."""
+        shared, config, nbytes = self.shared, self.shared.config, plan.nbytes
+        batches = MAX_BATCHES
+        if config.batches_per_epoch is not None:
+            batches = min(batches, config.batches_per_epoch)  # one whole epoch is all a joiner needs
+        budget = self._fit(nbytes, config.replay, batches, open_files(plan) > 0)
+        self.kept.size(budget, batches)
+        with shared.changed:
+            shared.replay_batches = min(budget // max(nbytes, 1), batches)
+        log.info(
+            "replay buffer: %d batches of %d bytes, kept where the loader made them (budget %d bytes)",
+            shared.replay_batches, nbytes, config.replay,
+        )  # fmt: skip
+
+    def _fit(self, nbytes: int, budget: int, batches: int, shared_leaves: bool) -> int:
+        """Check the window's places fit the store's memory (refuse now, with the numbers and the
+        remedies, if not); the replay budget, cut (saying so) to half of what /dev/shm has left
+        when the loader's batches are in shared memory (a DataLoader's workers), so that keeping
+        them never leaves its workers short."""
+        room = self.shared.store.room(nbytes)
+        window = self.shared.flow.place_count
+        if room is not None and room.fits < window:
+            slots, size = self.shared.config.slots, room.arena_bytes
+            raise OSError(
+                errno.ENOSPC,
+                f"batches of {nbytes} bytes need {window} x {size / MIB:.1f} MiB = {window * size / MIB:.0f} MiB "
+                f"for slots={slots}, but {room.where} has {room.free_bytes / MIB:.0f} MiB free: lower slots= "
+                f"(at most {room.fits * slots // window} fit), make batches smaller, or {room.remedy}",
+            )
+        shm = shm_room(nbytes)
+        if not shared_leaves or shm is None or budget <= 0:
+            return budget
+        free = shm.free_bytes - (
+            window * shm.arena_bytes if room is not None and room.where == shm.where else 0
+        )
+        room_for = max(0, free // 2)
+        if budget > room_for:
+            log.warning(
+                "replay buffer cut from %d to %d batches: %s has %.0f MiB free after the window's places, and "
+                "the loader's batches are in shared memory there (replay= sets the budget; to keep more, %s)",
+                min(budget // max(nbytes, 1), batches), room_for // max(nbytes, 1), shm.where, free / MIB,
+                shm.remedy,
+            )  # fmt: skip
+            return room_for
+        return budget
+
     def to_keep(self, place: int, plan: layout.Plan) -> tuple[layout.Plan, int | None, int] | None:
         """What to keep of a batch just written into ``place`` for replay: the loader's leaves
         and their fingerprint (and the files they hold open), or, once a kept batch changed
@@ -141,7 +193,7 @@ class Replay:
             return None
         if self.kept.copies:
             return flat_plan(copy_out(self.shared.store, place, plan.nbytes)), None, 0
-        return plan, layout.plan_fingerprint(plan), open_files(plan)
+        return plan, plan_fingerprint(plan), open_files(plan)
 
     def check_newest(self) -> None:
         """The newest kept batch, checked now that the next one was pulled: if the loader reused
@@ -165,27 +217,34 @@ class Replay:
                 self.kept.replace(changed.seq, copy_out(shared.store, place, changed.plan.nbytes))
 
     def restage(self, seq: int, place: int) -> None:
-        """Write kept batch ``seq`` into ``place`` again (a joiner is to be sent it) and send it."""
+        """Write kept batch ``seq`` into ``place`` (which :meth:`Flow.restage` reserved) again and
+        send it to the joiners waiting for it. On any error the place is given back."""
         shared = self.shared
-        with shared.changed:
-            kept = self.kept.get(seq)
-            check = shared.fingerprints_wanted()
-        if kept.fingerprint is not None and layout.plan_fingerprint(kept.plan) != kept.fingerprint:
-            self._cannot_resend(kept, place)
-            return
+        sent = False
         try:
-            fingerprint = shared.write(place, kept.plan, check)
-        except BaseException:
+            with shared.changed:  # (plan and fingerprint together: check_newest may replace both)
+                kept = self.kept.get(seq)
+                plan, published = kept.plan, kept.fingerprint
+                check = shared.fingerprints_wanted()
+            if published is not None and plan_fingerprint(plan) != published:
+                sent = True  # (given back there)
+                self._cannot_resend(kept, place)
+                return
+            fingerprint = shared.write(place, plan, check)
             with shared.changed:
-                shared.flow.cancel(place)
+                if fingerprint is None and shared.fingerprints_wanted():
+                    fingerprint = shared.store.fingerprint(place, plan.nbytes)
+                frame = protocol.encode_batch(seq, kept.epoch, kept.index, place, kept.layout, fingerprint)
+                actions = shared.flow.restaged(place, frame)
+                sent = True
+                shared.send_all(actions)
+                shared.stats["restaged"] += 1
+                wake = shared.io_wanted
+        except BaseException:
+            if not sent:
+                with shared.changed:
+                    shared.flow.cancel(place)
             raise
-        with shared.changed:
-            if fingerprint is None and shared.fingerprints_wanted():
-                fingerprint = shared.store.fingerprint(place, kept.plan.nbytes)
-            frame = protocol.encode_batch(seq, kept.epoch, kept.index, place, kept.layout, fingerprint)
-            shared.send_all(shared.flow.restaged(place, frame))
-            shared.stats["restaged"] += 1
-            wake = shared.io_wanted
         if wake:
             shared.wakeup.wake()
 
@@ -203,7 +262,7 @@ class Replay:
             shared.flow.cancel(place)
             waiting = [cid for cid, state in shared.flow.consumers.items() if state.wants == kept.seq]
             for cid in waiting:
-                self.io.evict(cid, reason)
+                self.io.drop(cid, "evicted: a batch it replays changed", reason)
             wake = shared.io_wanted
         log.error("%s (%d consumer(s) evicted)", reason, len(waiting))
         if wake:
