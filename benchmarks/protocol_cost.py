@@ -22,7 +22,7 @@ batches/s), and at the end ``benchmarks.overhead`` times ``next()`` after a 20 m
 1 MiB and 64 MiB batches against one bare view after the same sleep. The JPEG-scenario goal
 takes minutes and runs on its own (``python3 -m benchmarks.sharing``).
 
-    python3 -m benchmarks.protocol_cost [--batches 5000] [--consumers 1,4] [--repeat 3] [--no-goals]
+    python3 -m benchmarks.protocol_cost [--batches 5000] [--consumers 1,4] [--repeat 3] [--no-goals] [--replay -1]
     # -> benchmarks/results/protocol_cost-<host>-<date>.json
 """
 
@@ -85,12 +85,14 @@ def _split(before: dict[str, float], after: dict[str, float]) -> dict[str, float
     return spent
 
 
-def _produce(name: str, batches: int, consumers: int, env: dict[str, str], out: Any) -> None:
+def _produce(
+    name: str, batches: int, consumers: int, env: dict[str, str], out: Any, replay: int | None = 0
+) -> None:
     os.environ.update(env)
     from tensorsocket import Producer
 
     torch.set_num_threads(1)
-    with Producer(Tiny(batches), name=name, slots=8, replay=0, min_consumers=consumers) as producer:
+    with Producer(Tiny(batches), name=name, slots=8, replay=replay, min_consumers=consumers) as producer:
         cpu0 = wall0 = None
         for i, _ in enumerate(producer):
             if i == 0:  # from the first batch on: start-up is not per-batch cost
@@ -114,12 +116,16 @@ def _consume(name: str, options: dict[str, Any], out: Any) -> None:
         out.put({"role": "consumer", "cpu_s": spent["process"], "threads_s": spent, "taken": taken})
 
 
-def run_once(variant: str, consumers: int, batches: int, timeout: float) -> dict[str, Any]:
+def run_once(
+    variant: str, consumers: int, batches: int, timeout: float, replay: int | None = 0
+) -> dict[str, Any]:
     name = f"cost-{uuid.uuid4().hex[:8]}"
     out = SPAWN.Queue()
     procs = [SPAWN.Process(target=_consume, args=(name, VARIANTS[variant], out)) for _ in range(consumers)]
     procs.append(
-        SPAWN.Process(target=_produce, args=(name, batches, consumers, PRODUCER_ENV.get(variant, {}), out))
+        SPAWN.Process(
+            target=_produce, args=(name, batches, consumers, PRODUCER_ENV.get(variant, {}), out, replay)
+        )
     )
     for p in procs:
         p.start()
@@ -249,6 +255,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--no-goals", action="store_true", help="skip the floors and the goals table")
+    parser.add_argument(
+        "--replay", type=int, default=0, help="the producer's replay budget in bytes (-1: its default)"
+    )
     args = parser.parse_args(argv)
     counts = [int(c) for c in args.consumers.split(",")]
     from benchmarks import lean_path, overhead  # (lean_path imports this module)
@@ -257,7 +266,8 @@ def main(argv: list[str] | None = None) -> None:
     for rep in range(args.repeat):
         for consumers in counts:
             for variant in VARIANTS:
-                r = run_once(variant, consumers, args.batches, args.timeout) | {"run": rep + 1}
+                replay = None if args.replay < 0 else args.replay
+                r = run_once(variant, consumers, args.batches, args.timeout, replay) | {"run": rep + 1}
                 runs.append(r)
                 print(line(r), flush=True)
             if not args.no_goals:
@@ -284,7 +294,12 @@ def main(argv: list[str] | None = None) -> None:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": [Path(sys.executable).name, "-m", "benchmarks.protocol_cost", *(argv or sys.argv[1:])],
         "machine": machine(),
-        "config": {"batches": args.batches, "batch": "(float32 32x16, int64 32)", "slots": 8, "replay": 0},
+        "config": {
+            "batches": args.batches,
+            "batch": "(float32 32x16, int64 32)",
+            "slots": 8,
+            "replay": args.replay,
+        },
         "summary": summary,
         "goals": goals,
         "runs": runs,

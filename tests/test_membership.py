@@ -121,10 +121,11 @@ def test_joiner_inside_the_replay_window_sees_the_whole_epoch_in_its_own_process
 
 class ReusedBuffers:
     """A loader that writes its batches into the same ``ring`` tensors in turn (as some
-    hand-written loaders do): a kept batch changes after it was published."""
+    hand-written loaders do): a kept batch changes after it was published. (768 KiB each: a
+    smaller batch is kept as a copy from the start.)"""
 
-    def __init__(self, batches: int, ring: int = 1) -> None:
-        self.buffers = [torch.zeros(4, 3, dtype=torch.int64) for _ in range(ring)]
+    def __init__(self, batches: int, ring: int = 1, columns: int = 24576) -> None:
+        self.buffers = [torch.zeros(4, columns, dtype=torch.int64) for _ in range(ring)]
         self.batches = batches
 
     def __len__(self) -> int:
@@ -179,6 +180,17 @@ def test_a_kept_batch_that_changed_unnoticed_is_not_sent_its_joiner_is_evicted_s
     assert joiner.epochs_seen == []  # (a batch with other bytes would fail Reader's check, too)
     assert isinstance(joiner.error, Evicted) and "changed after it was published" in str(joiner.error)
     assert errors == [] and leader.error is None and leader.epochs_seen == [list(range(20))]
+
+
+def test_small_batches_are_kept_as_copies_so_a_reused_buffer_does_not_matter(name, caplog):
+    """96-byte batches: each is kept as a copy of its place at once, so even two buffers in
+    turn (which a kept batch by reference would not survive, see above) replay exactly."""
+    with caplog.at_level(logging.WARNING, logger="tensorsocket"):
+        loader = ReusedBuffers(20, ring=2, columns=3)
+        leader, joiner, errors = _leader_then_joiner(name, Producer(loader, name=name, slots=2), 1)
+    assert errors == [] and leader.error is None and joiner.error is None
+    assert leader.epochs_seen == joiner.epochs_seen == [list(range(20))]
+    assert "changed after it was published" not in caplog.text
 
 
 @pytest.mark.parametrize("policy", ["replay", "next_epoch", "now"])
