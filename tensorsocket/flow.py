@@ -402,13 +402,8 @@ class Flow(Replaying):
             raise RuntimeError("the stream has ended; nothing more can be published")
         if not self._window_open():
             return None
-        if self._free:
-            return self._fill(self._free.pop())
-        owed_from = self._owed_from()
-        spare = [i for i in self._unheld() if self._places[i].seq < owed_from]  # type: ignore[operator]
-        if not spare:
-            return None
-        return self._fill(min(spare, key=lambda i: self._places[i].seq))  # type: ignore[arg-type, return-value]
+        place = self._spare()
+        return None if place is None else self._fill(place)
 
     def cancel(self, place: int) -> None:
         """Give back a reserved place that was not written (the write failed)."""

@@ -59,26 +59,20 @@ class Replaying:
         if not wanted:
             return None
         seq = min(wanted)  # type: ignore[type-var]
-        if self._free:
-            place = self._free.pop()
-        else:
-            owed_from, unheld = self._owed_from(), self._unheld()
+        place = self._spare()
+        if place is None:
             streaming_from = min(  # owed from here on to a consumer that is not waiting
                 (c.cursor for c in self.consumers.values() if c.cursor is not None and c.wants is None),
                 default=self.next_seq,
             )
-            spare = [i for i in unheld if self._places[i].seq < owed_from]  # type: ignore[operator]
             kept = [
                 i
-                for i in unheld
+                for i in self._unheld()
                 if self._places[i].seq in self._kept_set and self._places[i].seq < streaming_from  # type: ignore[operator]
             ]
-            if spare:
-                place = min(spare, key=lambda i: self._places[i].seq)  # type: ignore[arg-type, return-value]
-            elif kept:
-                place = max(kept, key=lambda i: self._places[i].seq)  # type: ignore[arg-type, return-value]
-            else:
+            if not kept:
                 return None
+            place = max(kept, key=lambda i: self._places[i].seq)  # type: ignore[arg-type, return-value]
         self._fill(place)
         self._restaging[place] = seq
         return seq, place
@@ -135,6 +129,15 @@ class Replaying:
         self._replay_from = max(self._replay_from, seq + 1)
         if seq >= self._epoch_start:
             self._replay_open = False
+
+    def _spare(self) -> int | None:
+        """A never-used place (taken off the free list), else the one holding the oldest batch
+        nobody holds or is owed; None if there is neither."""
+        if self._free:
+            return self._free.pop()
+        owed_from = self._owed_from()
+        spare = [i for i in self._unheld() if self._places[i].seq < owed_from]  # type: ignore[operator]
+        return min(spare, key=lambda i: self._places[i].seq) if spare else None  # type: ignore[arg-type, return-value]
 
     def _unheld(self) -> list[int]:
         return [i for i, s in enumerate(self._places) if s.state is PlaceState.PUBLISHED and not s.holders]

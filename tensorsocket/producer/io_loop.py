@@ -326,9 +326,8 @@ class IoLoop:
                 if peer.local and not pid_alive(peer.pid):
                     self.drop(cid, "died; evicted")
                 elif now - peer.last_seen > peer.timeout:
-                    self.drop(cid, f"was silent for {now - peer.last_seen:.1f} s; evicted")
                     reason = f"evicted after {peer.timeout:g} s without a message"
-                    shared.post(cid, protocol.encode(Kind.EVICTED, reason=reason))
+                    self.drop(cid, f"was silent for {now - peer.last_seen:.1f} s; evicted", reason)
                 elif now - peer.last_sent > _heartbeat_interval(peer):
                     shared.post(cid, protocol.encode(Kind.HEARTBEAT))
             shared.notify()

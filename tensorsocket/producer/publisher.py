@@ -7,6 +7,7 @@ is alive, so no wait here outlives the producer.
 
 from __future__ import annotations
 
+import errno
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -15,9 +16,10 @@ from typing import Any
 from .. import layout, layout_table, protocol, sharding
 from ..errors import Closed, IoThreadDied
 from ..protocol import Kind
+from ..transport.base import Room
 from .io_loop import IoLoop
 from .restart import Resumed, Tracker, content_fingerprint
-from .retention import Kept, Replay
+from .retention import MIB, Kept, Replay
 from .session_turns import SessionTurns
 from .shared import TICK, Shared
 
@@ -78,7 +80,7 @@ class Publisher:
         plan = layout.plan(batch)
         content = self._check_content(plan)
         if not self.started:
-            self.replay.size(plan)
+            self.replay.size(plan, check_window_fits(shared, plan.nbytes))
         self.started = True
         if self.replay.kept.budget:
             self.replay.check_newest()
@@ -141,25 +143,26 @@ class Publisher:
         """Wait for a place for the next batch (and whether a consumer checks fingerprints),
         writing the kept batches joiners wait for meanwhile."""
         shared = self.shared
-        box: list[tuple[str, int, int, bool]] = []
+        jobs: list[tuple[int, int]] = []  # (kept seq, place) to write for a joiner first
+        places: list[tuple[int, bool]] = []
 
         def reserved() -> bool:
             if shared.flow.ended:
                 raise Closed(f"producer on {shared.config.endpoint} was closed")
-            job = shared.flow.restage() if len(self.replay.kept) else None
-            place = shared.flow.reserve() if job is None else None
+            job = self.replay.job()
             if job is not None:
-                box.append(("restage", job[0], job[1], False))
-            elif place is not None:
-                box.append(("batch", -1, place, shared.fingerprints_wanted()))
-            return bool(box)
+                jobs.append(job)
+                return True
+            place = shared.flow.reserve()
+            if place is not None:
+                places.append((place, shared.fingerprints_wanted()))
+            return place is not None
 
         while True:
             self.turns.wait(reserved, lambda: self._check_waiting("a free place", None))
-            what, seq, place, check = box.pop()
-            if what == "batch":
-                return place, check
-            self._restage(seq, place)
+            if places:
+                return places.pop()
+            self._restage(*jobs.pop())
 
     def _restage(self, seq: int, place: int) -> None:
         try:
@@ -270,7 +273,7 @@ class Publisher:
                 if shared.publisher_at:  # hand the sessions back to the I/O thread at once
                     shared.publisher_at = 0.0
                     shared.wakeup.wake()
-                job = shared.flow.restage() if len(self.replay.kept) else None
+                job = self.replay.job()
                 if job is None:
                     self._check_waiting(what, deadline)
                     shared.changed.wait(TICK)
@@ -297,3 +300,20 @@ class Publisher:
         """After END: every consumer said BYE (it has mapped every arena it was sent, so the
         arenas may be freed), left, or died."""
         return self.shared.flow.ended and not self.shared.peers
+
+
+def check_window_fits(shared: Shared, nbytes: int) -> Room | None:
+    """At the first batch, when its size is known: refuse now, with the numbers and the
+    remedies, if the window's places do not fit the store's memory (rather than fail some
+    batches later); how much room there is, or None where the store knows no limit."""
+    room = shared.store.room(nbytes)
+    window = shared.flow.place_count
+    if room is not None and room.fits < window:
+        slots, size = shared.config.slots, room.arena_bytes
+        raise OSError(
+            errno.ENOSPC,
+            f"batches of {nbytes} bytes need {window} x {size / MIB:.1f} MiB = {window * size / MIB:.0f} MiB "
+            f"for slots={slots}, but {room.where} has {room.free_bytes / MIB:.0f} MiB free: lower slots= "
+            f"(at most {room.fits * slots // window} fit), make batches smaller, or {room.remedy}",
+        )
+    return room

@@ -25,7 +25,6 @@ than be sent under its number with other bytes.
 from __future__ import annotations
 
 import collections
-import errno
 import logging
 import resource
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ from typing import Any
 import torch
 
 from .. import layout, protocol
-from ..transport.base import Store
+from ..transport.base import Room, Store
 from ..transport.shm import room as shm_room
 from .io_loop import IoLoop
 from .restart import plan_fingerprint
@@ -146,14 +145,15 @@ class Replay:
         self.shared, self.io = shared, io
         self.kept = Retention()
 
-    def size(self, plan: layout.Plan) -> None:
+    def size(self, plan: layout.Plan, room: Room | None) -> None:
         """Size the replay buffer now that a batch's size is known: at most the budget's bytes,
-        an epoch of batches, and (leaves in shared memory) what /dev/shm has room for."""
+        an epoch of batches, and (leaves in shared memory) what /dev/shm has room for beside
+        the window (``room``: the store's, for the window's places)."""
         shared, config, nbytes = self.shared, self.shared.config, plan.nbytes
         batches = MAX_BATCHES
         if config.batches_per_epoch is not None:
             batches = min(batches, config.batches_per_epoch)  # one whole epoch is all a joiner needs
-        budget = self._fit(nbytes, config.replay, batches, open_files(plan) > 0)
+        budget = self._fit(nbytes, config.replay, batches, open_files(plan) > 0, room)
         self.kept.size(budget, batches)
         with shared.changed:
             shared.replay_batches = min(budget // max(nbytes, 1), batches)
@@ -162,21 +162,11 @@ class Replay:
             shared.replay_batches, nbytes, config.replay,
         )  # fmt: skip
 
-    def _fit(self, nbytes: int, budget: int, batches: int, shared_leaves: bool) -> int:
-        """Check the window's places fit the store's memory (refuse now, with the numbers and the
-        remedies, if not); the replay budget, cut (saying so) to half of what /dev/shm has left
-        when the loader's batches are in shared memory (a DataLoader's workers), so that keeping
-        them never leaves its workers short."""
-        room = self.shared.store.room(nbytes)
+    def _fit(self, nbytes: int, budget: int, batches: int, shared_leaves: bool, room: Room | None) -> int:
+        """The replay budget, cut (saying so) to half of what /dev/shm has left when the loader's
+        batches are in shared memory (a DataLoader's workers), so that keeping them never leaves
+        its workers short."""
         window = self.shared.flow.place_count
-        if room is not None and room.fits < window:
-            slots, size = self.shared.config.slots, room.arena_bytes
-            raise OSError(
-                errno.ENOSPC,
-                f"batches of {nbytes} bytes need {window} x {size / MIB:.1f} MiB = {window * size / MIB:.0f} MiB "
-                f"for slots={slots}, but {room.where} has {room.free_bytes / MIB:.0f} MiB free: lower slots= "
-                f"(at most {room.fits * slots // window} fit), make batches smaller, or {room.remedy}",
-            )
         shm = shm_room(nbytes)
         if not shared_leaves or shm is None or budget <= 0:
             return budget
@@ -226,18 +216,22 @@ class Replay:
             if place is not None:
                 self.kept.replace(changed.seq, copy_out(shared.store, place, changed.plan.nbytes))
 
+    def job(self) -> tuple[int, int] | None:
+        """A kept batch a joiner waits for and the place reserved to write it into (lock held)."""
+        return self.shared.flow.restage() if self.kept else None
+
     def restage(self, seq: int, place: int) -> None:
         """Write kept batch ``seq`` into ``place`` (which :meth:`Flow.restage` reserved) again and
         send it to the joiners waiting for it. On any error the place is given back."""
         shared = self.shared
-        sent = False
+        settled = False  # the place went to its batch, or back to the flow
         try:
             with shared.changed:  # (plan and fingerprint together: check_newest may replace both)
                 kept = self.kept.get(seq)
                 plan, published = kept.plan, kept.fingerprint
                 check = shared.fingerprints_wanted()
             if published is not None and plan_fingerprint(plan) != published:
-                sent = True  # (given back there)
+                settled = True  # (given back there)
                 self._cannot_resend(kept, place)
                 return
             fingerprint = shared.write(place, plan, check)
@@ -246,12 +240,12 @@ class Replay:
                     fingerprint = shared.store.fingerprint(place, plan.nbytes)
                 frame = protocol.encode_batch(seq, kept.epoch, kept.index, place, kept.layout, fingerprint)
                 actions = shared.flow.restaged(place, frame)
-                sent = True
+                settled = True
                 shared.send_all(actions)
                 shared.stats["restaged"] += 1
                 wake = shared.io_wanted
         except BaseException:
-            if not sent:
+            if not settled:
                 with shared.changed:
                     shared.flow.cancel(place)
             raise
