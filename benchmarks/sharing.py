@@ -23,6 +23,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import statistics
 import time
 import uuid
 from datetime import datetime, timezone
@@ -175,7 +176,8 @@ def run(
     log: Any = print,
     replay: int | None = None,
 ) -> dict[str, Any]:
-    """Run the benchmark; return every figure (and what the run was) as a dict."""
+    """Run the benchmark, its ways in the order of ``modes``; return every figure (and what
+    the run was) as a dict."""
     data = data or ROOT / "data" / f"jpeg-{images}"
     t0 = time.perf_counter()
     root = str(make_dataset(data, count=images))
@@ -183,17 +185,20 @@ def run(
     step_s = step_ms / 1000
     timeout = 600.0
     result: dict[str, Any] = {}
-    if "single" in modes:
+
+    def single() -> None:
         log("single: one trainer, its own DataLoader ...")
         result["single"] = _run(
             [(_own_loader_trainer, (root, workers, epochs, step_s, os.getpid()))], timeout
         )
-    if "independent" in modes:
+
+    def independent() -> None:
         log(f"independent: {trainers} trainers, each its own DataLoader ...")
         result["independent"] = _run(
             [(_own_loader_trainer, (root, workers, epochs, step_s, None))] * trainers, timeout
         )
-    if "shared" in modes:
+
+    def shared() -> None:
         log(f"shared: one tensorsocket producer, {trainers} consumers ...")
         name = f"bench-{uuid.uuid4().hex[:8]}"
         targets = [(_consumer_trainer, (name, epochs, step_s, os.getpid()))]
@@ -201,11 +206,15 @@ def run(
         targets.append((_producer, (root, name, workers, epochs, trainers, replay)))
         reports = _run(targets, timeout)
         result["producer"] = [r for r in reports if r.get("producer")]
-        shared = [r for r in reports if not r.get("producer")]
         expected = -(-images // 32)
-        for r in shared:
+        consumers = [r for r in reports if not r.get("producer")]
+        for r in consumers:
             r["exact"] = r["batches_per_epoch"] == [expected] * epochs and r["len"] == expected
-        result["shared"] = shared
+        result["shared"] = consumers
+
+    ways = {"single": single, "independent": independent, "shared": shared}
+    for mode in modes:  # in the order given: rounds() swaps it every round
+        ways[mode]()
 
     def mean(mode: str) -> float:
         if mode == "producer":
@@ -241,6 +250,49 @@ def run(
         # machine CPU while the first trainer ran (first batch to last), ms per batch, by role
         "cpu_ms_per_batch": cpu,
         "runs": result,
+    }
+
+
+def rounds(count: int, **kwargs: Any) -> dict[str, Any]:
+    """The loader alone and the shared producer, ``count`` times in turn (the order swapped
+    every round); ``kwargs`` go to :func:`run`. Why: on the 2-core VM the same JPEG work cost
+    the workers 76-114 ms of CPU a batch from one round to the next, and a round's gap ranged
+    from -7% to 29% (sharing-vm-rounds-4trainers-2026-11-24.json), so one round says little.
+    The medians, and tensorsocket's own CPU a batch (the producer and consumers, less what a
+    trainer's own loader spends receiving its batches), say more."""
+    orders = [("single", "shared") if i % 2 == 0 else ("shared", "single") for i in range(count)]
+    runs = [run(modes=order, **kwargs) for order in orders]
+    cpu = [r["cpu_ms_per_batch"] for r in runs]
+    own = [c["shared"]["producer"] + c["shared"]["trainers"] - c["single"]["trainers"] for c in cpu]
+
+    def median(values: Any) -> float:
+        return round(statistics.median(values), 2)
+
+    def by_role(mode: str) -> dict[str, float]:
+        return {role: median(c[mode][role] for c in cpu) for role in cpu[0][mode]}
+
+    rates = [r["per_trainer_samples_per_s"] for r in runs]
+    summary = {
+        "gap_pct": [r["shared_gap_to_single_pct"] for r in rates],
+        "gap_pct_median": median(r["shared_gap_to_single_pct"] for r in rates),
+        "samples_per_s_median": {mode: median(r[mode] for r in rates) for mode in ("single", "shared")},
+        "cpu_ms_per_batch_median": {mode: by_role(mode) for mode in ("single", "shared")},
+        "tensorsocket_cpu_ms_per_batch": [round(x, 2) for x in own],
+        "tensorsocket_cpu_pct_of_loader_alone": median(
+            100 * x / c["single"]["total"] for x, c in zip(own, cpu, strict=True)
+        ),
+        "exact": all(c["exact"] for r in runs for c in r["runs"]["shared"]),
+    }
+    return {
+        "benchmark": "sharing-rounds",
+        "date": runs[0]["date"],
+        "machine": machine(),
+        "config": {**runs[0]["config"], "rounds": count},
+        "summary": summary,
+        "rounds": [
+            {"order": list(order), **{k: r[k] for k in ("per_trainer_samples_per_s", "cpu_ms_per_batch")}}
+            for order, r in zip(orders, runs, strict=True)
+        ],
     }
 
 
@@ -307,9 +359,30 @@ def main() -> None:
     parser.add_argument(
         "--replay", type=int, default=None, help="the producer's replay budget in bytes (default: its own)"
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="over 1: the loader alone and shared, in turn, that many times; medians",
+    )
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
-    result = run(args.trainers, args.step_ms, args.images, args.epochs, args.workers, replay=args.replay)
+    common = {
+        "trainers": args.trainers,
+        "step_ms": args.step_ms,
+        "images": args.images,
+        "epochs": args.epochs,
+        "workers": args.workers,
+        "replay": args.replay,
+    }
+    if args.rounds > 1:
+        result = rounds(args.rounds, **common)
+        print(json.dumps(result["summary"], indent=2))
+        if not args.no_write:
+            tag = f"{platform.node() or 'host'}-rounds-{args.trainers}trainers"
+            print("wrote", write(result, "sharing", tag=tag))
+        return
+    result = run(**common)
     print(json.dumps(result["per_trainer_samples_per_s"], indent=2))
     for mode, roles in result["cpu_ms_per_batch"].items():
         print(f"{mode}: machine CPU ms per batch, by role: {roles}")
