@@ -1,9 +1,10 @@
 """Sharing benchmark: N trainers fed by one shared JPEG pipeline vs N independent DataLoaders.
 
 Every trainer simulates a GPU step of ``--step-ms`` (a sleep: the CPU is free for loading)
-and counts samples/s from its first batch to its last. When a GPU is present each batch is
-also copied to it first, as a real trainer's input step does. Three ways, one after the other, on
-the same machine and dataset:
+and counts samples/s from its first batch to its last. Each batch is first copied to the GPU,
+as a real trainer's input step does; without one, into a reused host buffer, which reads every
+byte as that copy would (until 2026-11-24 nothing read it: the loader alone never touched its
+batches' pages, the producer copying them did). Three ways, one after the other:
 
 * ``single``: one trainer with its own DataLoader: the pipeline's own rate, the bound;
 * ``independent``: N trainers, each with its own DataLoader (the status quo);
@@ -80,12 +81,17 @@ def _train(batches: Any, epochs: int, step_s: float, watch: int | None = None) -
     cpu0 = time.process_time()
     per_epoch = []
     gpu = torch.cuda.is_available()
+    staging = None
     for _ in range(epochs):
         n = 0
         for images, labels in batches:
             if gpu:
                 images, labels = images.to("cuda", non_blocking=True), labels.to("cuda", non_blocking=True)
                 torch.cuda.synchronize()
+            else:  # read every byte once, as the copy to a GPU would, into one reused buffer
+                if staging is None or staging.shape != images.shape:
+                    staging = torch.empty_like(images)
+                staging.copy_(images)
             if start is None:  # the clock starts at the first batch: start-up is not rate
                 start = time.perf_counter()
                 cpu_before = tree_cpu(watch) if watch else {}
@@ -258,8 +264,9 @@ def rounds(count: int, **kwargs: Any) -> dict[str, Any]:
     every round); ``kwargs`` go to :func:`run`. Why: on the 2-core VM the same JPEG work cost
     the workers 76-114 ms of CPU a batch from one round to the next, and a round's gap ranged
     from -7% to 29% (sharing-vm-rounds-4trainers-2026-11-24.json), so one round says little.
-    The medians, and tensorsocket's own CPU a batch (the producer and consumers, less what a
-    trainer's own loader spends receiving its batches), say more."""
+    The medians, and tensorsocket's CPU a batch (the producer and consumers, less the loader
+    alone's trainer: it includes the N - 1 more reads of each batch that N trainers make
+    anyway), say more."""
     orders = [("single", "shared") if i % 2 == 0 else ("shared", "single") for i in range(count)]
     runs = [run(modes=order, **kwargs) for order in orders]
     cpu = [r["cpu_ms_per_batch"] for r in runs]
