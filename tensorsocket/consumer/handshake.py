@@ -68,13 +68,20 @@ def join(
         )
     )
     deadline = time.monotonic() + wait
-    while not socket.poll(int(min(_STOP_CHECK, max(0.0, deadline - time.monotonic())) * 1000)):
+    # Past the deadline, one more slice before giving up: a process frozen across it (SIGSTOP,
+    # a debugger) must first let its ZeroMQ I/O thread deliver a WELCOME already sent.
+    overdue = False
+    while True:
+        slice_s = _STOP_CHECK if overdue else min(_STOP_CHECK, max(0.0, deadline - time.monotonic()))
+        if socket.poll(int(slice_s * 1000)):
+            break
         shared.io_tick = time.monotonic()  # turning, not frozen (see Batches.catch_up_after_freeze)
-        if time.monotonic() >= deadline or shared.stop.is_set():
+        if overdue or shared.stop.is_set():
             raise ProducerLost(
                 f"no producer answered at {settings.endpoint} within {wait:g} s; start one "
                 "with Producer(loader, name=...) or check the name / endpoint"
             )
+        overdue = time.monotonic() >= deadline
     kind, msg = protocol.decode(socket.recv(), protocol.MAX_REPLY_BYTES)
     if kind is Kind.WELCOME:
         return msg
