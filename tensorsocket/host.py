@@ -43,6 +43,16 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
+def pid_watch(pid: int) -> int | None:
+    """A file descriptor that becomes readable when process ``pid`` ends (a pidfd), so a
+    watcher learns of its death without polling; None where there is none (Linux < 5.3, no
+    such process): the caller then polls :func:`pid_alive`."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError, ValueError, OverflowError):
+        return None
+
+
 def same_host(other_boot_id: str, other_pidns: int) -> bool:
     """True when a peer reporting these values shares our kernel and pid namespace."""
     return bool(other_boot_id) and other_boot_id == boot_id() and other_pidns == pid_namespace()

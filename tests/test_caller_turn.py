@@ -11,9 +11,9 @@ import pytest
 
 from tensorsocket import Consumer, Producer, ProducerLost, protocol
 from tensorsocket.consumer import inbox
-from tensorsocket.consumer.shared import HANDOVER
+from tensorsocket.consumer.shared import TICK
 from tensorsocket.protocol import Kind
-from tests.support import NestedLoader, expected_batch, same, serving
+from tests.support import SPAWN, NestedLoader, expected_batch, same, serve_producer, serving
 
 
 def record_batch_readers(monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -46,15 +46,15 @@ def test_batches_read_by_either_thread_arrive_once_in_order(name, slots, monkeyp
                     if not same(batch, expected_batch(index, batches)):
                         bad.append((epoch, index))
                     del batch
-                    if index % 5 == 4:  # away from next() for longer than HANDOVER: a "step"
-                        time.sleep(HANDOVER * 6)
+                    if index % 5 == 4:  # away from next() across an I/O tick: a "step"
+                        time.sleep(TICK * 2)
                     index += 1
         thread.join(timeout=30)
     assert errors == []
     assert bad == []
     assert seen == [(e, i) for e in range(epochs) for i in range(batches)]
     # Both threads read batches: the caller's while it waited in next(), the I/O thread's
-    # while the caller slept (the next batches, up to the window), and again after the
+    # at its ticks while the caller slept (the next batches, up to the window), and again after the
     # caller's thread had read some (the first few come over ZeroMQ, on the I/O thread).
     assert "MainThread" in readers, readers
     assert "tensorsocket-consumer-io" in readers[readers.index("MainThread") :], readers
@@ -106,3 +106,98 @@ def test_a_read_that_fails_in_the_callers_thread_ends_the_stream_instead_of_skip
             assert 3 <= taken < 40
     assert errors == []
     assert "not finished" not in caplog.text  # (a consumer still registered at close() is)
+
+
+def io_wakeups(consumer: Consumer) -> int:
+    """How many times the consumer's I/O thread has slept and woken (its voluntary context
+    switches)."""
+    io = consumer._io
+    with open(f"/proc/self/task/{io.native_id}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches:"))
+
+
+@pytest.mark.parametrize(
+    ("delay", "step"), [(0.0, 0.02), (0.03, 0.0)], ids=["producer-ahead", "loader-behind"]
+)
+def test_the_io_thread_does_not_wake_for_every_batch_of_host_memory(name, delay, step):
+    """Over a session of host batches the caller's thread reads while it waits in next(), and
+    the I/O thread reads ahead only at its ticks while the caller steps: it is not woken per
+    message or per release (each wake-up costs ~250 us of CPU after a step on a 2-core VM).
+    Before, it woke 2-3 times a batch in both cases. Batches still arrive exact and in order."""
+    batches = 40
+    ready = SPAWN.Queue()
+    proc = SPAWN.Process(
+        target=serve_producer, args=(name, batches, ready), kwargs={"delay": delay, "slots": 8, "epochs": 1}
+    )
+    proc.start()
+    try:
+        ready.get(timeout=60)
+        with Consumer(name=name, timeout=30) as consumer:
+            it = iter(consumer)
+            first = next(it)
+            assert same(first, expected_batch(0, batches))
+            del first
+            before, got = io_wakeups(consumer), []
+            for index in range(1, batches):
+                time.sleep(step)
+                batch = next(it)
+                got.append(same(batch, expected_batch(index, batches)))
+                del batch
+            woken = io_wakeups(consumer) - before
+        assert got == [True] * (batches - 1)
+        # Producer ahead: a tick each TICK of the ~0.8 s of steps (~16); loader behind: a few
+        # heartbeats and STATS in ~1.2 s. Generous bounds, far below one a batch.
+        assert woken < (batches * 0.75 if step else batches * 0.25), woken
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_a_small_prefetch_sends_its_releases_before_it_waits(name, prefetch):
+    """A consumer's window is its prefetch when that is below the producer's slots: after
+    ``prefetch`` batches the producer waits for its releases, so they must go before it waits
+    in next(), not at the I/O thread's next heartbeat (a second away here: with them held,
+    30 batches took ~15 s)."""
+    batches = 30
+    producer = Producer(NestedLoader(batches), name=name, slots=8, replay=0)
+    with serving(producer, epochs=1) as (thread, errors):
+        with Consumer(name=name, timeout=30, prefetch=prefetch) as consumer:
+            started, got = time.monotonic(), []
+            for batch in consumer:
+                got.append(same(batch, expected_batch(len(got), batches)))
+                del batch
+            took = time.monotonic() - started
+        thread.join(timeout=30)
+    assert errors == [] and got == [True] * batches
+    assert took < 5.0, took
+
+
+def test_the_io_thread_rests_once_its_producer_ended(name):
+    """The producer's end wakes the consumer's I/O thread through a pidfd, which stays readable
+    from then on: after a clean end of the stream, the thread must stop watching it rather
+    than wake at once, again and again, while the consumer stays open."""
+    batches = 6
+    ready = SPAWN.Queue()
+    proc = SPAWN.Process(target=serve_producer, args=(name, batches, ready), kwargs={"epochs": 1})
+    proc.start()
+    try:
+        ready.get(timeout=60)
+        with Consumer(name=name, timeout=30) as consumer:
+            got = []
+            for batch in consumer:
+                got.append(same(batch, expected_batch(len(got), batches)))
+                del batch
+            proc.join(timeout=30)
+            assert proc.exitcode == 0
+            clock = time.pthread_getcpuclockid(consumer._io.ident)
+            before = time.clock_gettime(clock)
+            time.sleep(1.0)
+            spent = time.clock_gettime(clock) - before
+        assert got == [True] * batches
+        assert spent < 0.2, f"the I/O thread spent {spent:.2f} s of CPU in 1 s after its producer ended"
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()

@@ -7,11 +7,13 @@ caller's for the hand-off through the queue, and that thread's again for the rel
 message, a poll loop handing each message to another thread and woken back for its release
 57 us). So while the caller waits in next() for a batch of host memory over a session, it
 reads the session itself, under ``Shared.link_lock``, and sends what it released before it
-sleeps: one wake-up per batch. The I/O thread then only ticks (heartbeats, STATS, liveness);
-once the caller has been away from next() for ``HANDOVER`` (a training step), the I/O thread
-reads again, so what comes meanwhile (an eviction, the next batches) is read as before. (After
-a wait in next() longer than that, the caller's thread wakes it on leaving: it sleeps long
-while the caller waits long, instead of ticking every HANDOVER.)
+sleeps: one wake-up per batch. The I/O thread only ticks (every TICK: heartbeats, STATS,
+liveness), and at each tick while the caller is away from next() (a training step) it reads
+ahead what came meanwhile (the next batches, an eviction), so next() after a step finds its
+batch built. It is not woken per message: after a 20 ms step each wake-up of a thread cost
+~250 us of CPU here, more than the batch itself, and three of them (the message, the release,
+the end of a hand-over) made a consumer ~1 ms of CPU a batch. A release wakes it only when the
+producer may be waiting for it (:meth:`~tensorsocket.consumer.shared.Sleeping.wants`).
 """
 
 from __future__ import annotations
@@ -28,24 +30,24 @@ from .. import protocol
 from ..errors import Closed, ProducerLost
 from ..protocol import Kind
 from .inbox import Inbox
-from .shared import HANDOVER, TICK, Shared
+from .shared import TICK, Shared
 
 log = logging.getLogger("tensorsocket")
 
 _TICK_MS = int(TICK * 1000)
-#: Releases held back while batches keep coming: sent with the next ones, or before a wait.
-#: (The producer's I/O thread reads each message: four to a message instead of two gave its
-#: CPU per batch 0.87x with 1 consumer and 0.83x with 4, protocol_cost-vm-2026-11-24-caller-turns.json.)
+#: Releases held back: sent four to a message, or sooner when the producer may be waiting for
+#: them (Sleeping.wants), else by the I/O thread at its next turn. (The producer's I/O thread
+#: reads each message: four to a message instead of two gave its CPU per batch 0.87x with 1
+#: consumer and 0.83x with 4, protocol_cost-vm-2026-11-24-caller-turns.json.) Before, a wait
+#: in next() sent them after 1 ms: a wake-up of the caller's thread per batch when it waits.
 _HOLD_RELEASES = 3
-_HELD_MS = 1  # how long a wait may hold them back before sending them (the producer may need them)
 
 
 class CallerTurns:
     """The caller's side of the link; used by the caller's thread only."""
 
-    def __init__(self, shared: Shared, inbox: Inbox, io: threading.Thread, endpoint: str, slots: int) -> None:
+    def __init__(self, shared: Shared, inbox: Inbox, io: threading.Thread, endpoint: str) -> None:
         self.shared, self.inbox, self.io, self.endpoint = shared, inbox, io, endpoint
-        self.slots = slots  # the producer's window
         self._fd = -1
         self._poll = select.poll()
 
@@ -54,16 +56,20 @@ class CallerTurns:
         the checks that make a wait finite: every TICK, that the I/O thread is alive, and
         ``check()`` (that this consumer is not waiting for a batch it can never get)."""
         shared = self.shared
-        entered = time.monotonic()
-        shared.caller_at = (True, entered)
+        try:
+            item = shared.queue.get_nowait()
+        except queue.Empty:
+            pass
+        else:  # read ahead: if the I/O thread went to sleep long (we were in here), it reads on
+            sleeping = shared.io_sleeping
+            if sleeping.long and sleeping.now and not sleeping.reading:
+                shared.wakeup.wake()
+            return item
+        shared.caller_inside = True
         try:
             return self._wait(check)
         finally:
-            left = time.monotonic()
-            shared.caller_at = (False, left)
-            sleeping = shared.io_sleeping
-            if left - entered >= HANDOVER and sleeping.now and not sleeping.reading:
-                shared.wakeup.wake()  # it sleeps long while we wait long: to read during our step
+            shared.caller_inside = False
 
     def _wait(self, check: Callable[[], None]) -> tuple[str, Any]:
         shared, checked = self.shared, time.monotonic()
@@ -103,7 +109,10 @@ class CallerTurns:
                 return None
             if not shared.queue.empty():
                 return True  # the I/O thread read it
-            if len(shared.released) > _HOLD_RELEASES:
+            released = shared.released
+            if released and (
+                len(released) > _HOLD_RELEASES or shared.io_sleeping.wants(shared.live, released)
+            ):
                 self._guarded(inbox.send_releases)
             frame = inbox.link.recv()
             if frame is not None:
@@ -111,29 +120,21 @@ class CallerTurns:
                     inbox.over = True  # (EVICTED, say: the I/O thread stops at its next turn)
                 return True
             if inbox.link.closed:
-                return None  # the I/O thread finds out why
-            if shared.released and len(shared.released) + len(shared.live) >= self.slots:
-                self._guarded(inbox.send_releases)  # every place is ours: the producer waits for these
+                shared.wakeup.wake()  # (it may sleep long): it finds out why
+                return None
             fd = inbox.link.conn.fd  # type: ignore[union-attr]
         finally:
             shared.link_lock.release()
+        self._watch(fd)
+        if not shared.queue.empty():
+            return True
+        return bool(self._poll.poll(_TICK_MS))
+
+    def _watch(self, fd: int) -> None:
         if fd != self._fd:
             self._poll = select.poll()
             self._poll.register(fd, select.POLLIN)
             self._fd = fd
-        if shared.released:
-            if self._poll.poll(_HELD_MS):
-                return True
-            if not shared.link_lock.acquire(timeout=TICK):
-                return None
-            try:
-                if inbox.caller_may_read():
-                    self._guarded(inbox.send_releases)
-            finally:
-                shared.link_lock.release()
-        if not shared.queue.empty():
-            return True
-        return bool(self._poll.poll(_TICK_MS))
 
     def _guarded(self, step: Callable[..., Any], *args: Any) -> Any:
         """Run a step that reads or releases for the I/O thread. Failed or interrupted half-way

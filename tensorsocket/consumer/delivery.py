@@ -57,16 +57,14 @@ def _release_later(
 ) -> None:
     """A batch's finalizer: runs in whichever thread dropped its last view. It must not touch
     the link, and it references no Consumer or shared record, so a dropped Consumer is collected.
-
-    It wakes the I/O thread only from a long sleep: otherwise that thread is awake, or ticks
-    within HANDOVER while the caller's thread reads for itself, and the caller's thread sends
-    what was released before it waits (a wake-up per batch is much of a tiny batch's cost)."""
+    It wakes the I/O thread only for a release that must go now (:meth:`Sleeping.wants`): the
+    rest go with the caller's thread's next read, or at the I/O thread's next tick."""
     _WATCHING.pop(id(watch), None)
     live.discard(item[0])
 
     def ready() -> None:
         released.append(item)
-        if sleeping.now:
+        if sleeping.now and sleeping.wants(live, released):
             wakeup.wake()
 
     reader.retire(item[1], ready)

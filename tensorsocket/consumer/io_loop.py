@@ -8,6 +8,7 @@ producer raises ProducerLost in next() instead of blocking."""
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import time
 from dataclasses import dataclass
@@ -17,19 +18,19 @@ import zmq
 
 from .. import protocol
 from ..errors import ProducerLost, ProtocolError, Refused
-from ..host import pid_alive, same_host
+from ..host import pid_alive, pid_watch, same_host
 from ..layout_table import Recipes
 from ..protocol import Kind
 from ..transport import Reader
 from . import handshake
 from .inbox import Inbox
 from .link import Link
-from .shared import HANDOVER, RESTARTED, TICK, Settings, Shared
+from .shared import RESTARTED, TICK, Settings, Shared
 
 log = logging.getLogger("tensorsocket")
 
 _TICK_MS = int(TICK * 1000)
-_ALIVE_EVERY = 0.02  # seconds between checks that a producer on this host is alive
+_ALIVE_EVERY = 0.02  # seconds between checks that a producer on this host is alive (no pidfd)
 _STATS_EVERY = 1.0  # seconds between STATS reports to the producer
 
 
@@ -60,6 +61,7 @@ def run(shared: Shared, settings: Settings, outcome: queue.SimpleQueue[Any]) -> 
     finally:
         with shared.link_lock:  # (the caller's thread may be reading it)
             io.link.close(linger_ms=100)
+        io.unwatch_producer()
 
 
 @dataclass
@@ -85,6 +87,7 @@ class ConsumerIo(Inbox):
     ) -> None:
         self.poller = zmq.Poller()
         self.poller.register(shared.wakeup.fd, zmq.POLLIN)
+        self.pidfd: int | None = None  # readable once the producer (on this host) ends
         super().__init__(
             shared, settings, Link(socket, self.poller, settings.timeout, shared.stop), welcome["stream"]
         )
@@ -97,7 +100,19 @@ class ConsumerIo(Inbox):
         self.producer_local = same_host(welcome["boot_id"], welcome["pidns"])
         self.heartbeat = min(welcome["heartbeat"], self.settings.timeout / 4)
         self.batches_per_epoch = welcome["batches"]
+        # The places this consumer may hold at once: its prefetch caps the producer's window
+        self.shared.io_sleeping.window = min(self.settings.prefetch, welcome["slots"])
         self.link.open_session(welcome, self.producer_local)
+        self.unwatch_producer()
+        self.pidfd = pid_watch(self.producer_pid) if self.producer_local else None
+        if self.pidfd is not None:
+            self.poller.register(self.pidfd, zmq.POLLIN)
+
+    def unwatch_producer(self) -> None:
+        if self.pidfd is not None:
+            self.poller.unregister(self.pidfd)
+            os.close(self.pidfd)
+            self.pidfd = None
 
     def serve(self) -> bool:
         """Turn until stopped (True: leave politely) or the stream is over for us (False)."""
@@ -106,32 +121,39 @@ class ConsumerIo(Inbox):
         shared = self.shared
         sleeping = shared.io_sleeping
         while not shared.stop.is_set():
-            # Asleep and not reading until decided: the caller's thread leaving a long wait in
-            # next() meanwhile wakes us (CallerTurns.take), and a release does.
-            sleeping.now, sleeping.reading = True, False
-            reading, wait = self._sleep()
+            # Over a session of host batches the caller's thread reads while in next(), and we
+            # read ahead at our ticks while it is away: we poll the link only when it cannot.
+            # Asleep from here: a release made meanwhile that must go now wakes us.
+            sleeping.now = sleeping.long = True  # (long until decided: the caller may wake us)
+            reading = not self.caller_may_read()
             self.link.watch(reading)
             sleeping.reading = reading
-            sleeping.now = wait >= _TICK_MS  # a release made from now on wakes us
-            events = dict(self.poller.poll(0 if shared.released else wait))
+            wait = self._sleep_ms(clock)
+            sleeping.long = wait > _TICK_MS
+            urgent = shared.released and sleeping.wants(shared.live, shared.released)
+            events = dict(self.poller.poll(0 if urgent else wait))
             sleeping.now = False
             with shared.link_lock:
                 if self.over or not self._once(events, clock):
                     return False
         return True
 
-    def _sleep(self) -> tuple[bool, int]:
-        """Whether to read the session, and how long to sleep (ms). The caller's thread reads
-        it while in next() and for HANDOVER after (between two batches); we wake when that
-        ends, to read ahead during its training step. In next() for longer, it wakes us when
-        it leaves (see CallerTurns.take), so we need not tick meanwhile."""
-        if not self.caller_may_read():
-            return True, _TICK_MS
-        inside, since = self.shared.caller_at
-        wait = since + HANDOVER - time.monotonic()
-        if wait > 0:  # it reads: in next() for less than HANDOVER, or back from it as long
-            return False, max(1, round(wait * 1000))
-        return not inside, _TICK_MS
+    def _sleep_ms(self, clock: _Clock) -> int:
+        """How long to sleep. A TICK while the caller is away from next() over a session of
+        host batches (we read ahead at each), or while the producer's pid must be polled.
+        Else until the next thing due (a heartbeat, STATS, the producer's silence deadline),
+        at most a quarter of ``timeout`` (a longer gap reads as a freeze): a consumer waiting
+        in next() for a slow loader then costs no wake-up of this thread per batch (~250 us
+        of CPU each on a 2-core VM). What must happen sooner wakes us: a message we read, a
+        release that must go now, close(), the caller taking a batch we read ahead (see
+        CallerTurns.take), the end of the session or of the producer (its pidfd)."""
+        if self.caller_may_read() and not self.shared.caller_inside:
+            return _TICK_MS
+        if self.producer_local and self.pidfd is None:
+            return _TICK_MS
+        timeout = self.settings.timeout
+        due = min(clock.last_sent + self.heartbeat, clock.last_stats + _STATS_EVERY, self.last_seen + timeout)
+        return max(1, min(int((due - time.monotonic()) * 1000) + 1, int(timeout * 250)))
 
     def _once(self, events: dict[Any, int], clock: _Clock) -> bool:
         """One turn of the loop (``link_lock`` held); False when this consumer's stream is over."""
@@ -146,12 +168,22 @@ class ConsumerIo(Inbox):
             self._send(protocol.encode(Kind.STATUS, status=None))
         clock.last_awake = now
         shared.io_tick = now  # see Batches.catch_up_after_freeze
-        # (Woken by a message while the caller's thread came to read it: leave it to that thread,
-        # which polls the same session, so it never sleeps with its batch already queued.)
-        if self.link.readable(events) and not (shared.caller_at[0] and self.caller_may_read()):
+        # A message, or the session's end (watched even while the caller's thread reads it: an
+        # EVICTED before it must be read before the caller hands out a batch whose place the
+        # producer reuses); else, with the caller away from next(), read ahead (CallerTurns).
+        if self.link.readable(events):
             self.last_seen = now
             if not self.receive():
                 return False
+        elif self.caller_may_read() and not shared.caller_inside:
+            if not self.receive():
+                return False
+        if self.pidfd is not None and self.pidfd in events:
+            self.unwatch_producer()  # (it stays readable: the producer ended)
+            if not self.receive():  # what it sent before it ended comes first (END, say)
+                return False
+            if not shared.stream_over:
+                return self._lost(f"the producer at {self.endpoint} (pid {self.producer_pid}) died", clock)
         # Closed under us (read here or by the caller's thread): it died (while its pid still
         # looks alive as it exits, or it cut us off without a word, the pid and silence checks
         # below decide, as before sessions).
@@ -180,7 +212,7 @@ class ConsumerIo(Inbox):
         if now - clock.last_sent >= self.heartbeat:
             self._send(protocol.encode(Kind.HEARTBEAT))
             clock.last_sent = now
-        if self.producer_local and now - clock.last_alive >= _ALIVE_EVERY:
+        if self.producer_local and self.pidfd is None and now - clock.last_alive >= _ALIVE_EVERY:
             # At most this often: reading /proc/<pid>/stat at every turn of a busy loop was ~9%
             # of a consumer's CPU with small batches (py-spy).
             clock.last_alive = now

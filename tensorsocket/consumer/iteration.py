@@ -41,7 +41,7 @@ class Batches:
         batches_per_epoch: int | None = None,
     ) -> None:
         self.shared, self.settings, self.io = shared, settings, io
-        self.turns = CallerTurns(shared, inbox, io, settings.endpoint, slots)
+        self.turns = CallerTurns(shared, inbox, io, settings.endpoint)
         self.slots, self.rebatcher = slots, rebatcher
         self.group_size = 1 if settings.group is None else settings.group[2]  # 1: not in a group
         # Where this consumer is (see consumer/resume.py): the next producer batch of the epoch

@@ -17,6 +17,8 @@ from ..protocol import Kind
 
 log = logging.getLogger("tensorsocket")
 
+ERR = int(zmq.POLLERR)  # (a closed connection's hang-up reads as an error in zmq_poll)
+
 
 class Link:
     def __init__(
@@ -95,13 +97,15 @@ class Link:
             pass  # no producer connected any more: nobody to tell
 
     def watch(self, reading: bool) -> None:
-        """(I/O thread) Poll the session for messages while this thread reads them (not while
-        the caller's thread does), and for room to send while sends wait; not once it closed."""
+        """(I/O thread) Poll the session for messages while this thread reads them, else only
+        for its end (the producer closed it: it evicted us, or it is gone, so what it said last
+        is read at once, not at our next tick); for room to send while sends wait; not once it
+        closed."""
         if not self.switched:
             return
         assert self.conn is not None
         want = (
-            0 if self.closed else (session.IN if reading else 0) | (session.OUT if self.conn.pending else 0)
+            0 if self.closed else (session.IN if reading else ERR) | (session.OUT if self.conn.pending else 0)
         )
         if want != self._polled:
             if want:

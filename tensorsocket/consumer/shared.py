@@ -20,9 +20,9 @@ one writer (or a thread-safe container), as listed here.
 * ``link_lock``: held by whichever thread uses the link and the state the producer's messages
   change (:class:`~tensorsocket.consumer.inbox.Inbox`): the I/O thread for each turn, the
   caller's thread while it reads for itself (:mod:`~tensorsocket.consumer.caller_turn`).
-* ``caller_at``: the caller's thread only: whether it is in next() and since when.
-* ``io_sleeping``: the I/O thread only: it sleeps in a long poll (so a release must wake it),
-  reading the session or not.
+* ``caller_inside``: the caller's thread only: whether it is in next().
+* ``io_sleeping``: the I/O thread only: whether it sleeps in its poll and reads the link itself,
+  and the producer's window (a release it must send wakes it: :meth:`Sleeping.wants`).
 """
 
 from __future__ import annotations
@@ -37,9 +37,6 @@ from typing import Any
 from ..wakeup import Wakeup
 
 TICK = 0.05  # seconds: the longest any wait goes without re-checking why it waits
-#: seconds the caller's thread must be away from next() before the I/O thread reads the
-#: session again (shorter absences, between two batches, leave it to the caller's thread)
-HANDOVER = 0.005
 
 # Queue item kinds
 BATCH, SKIPPED, EPOCH_END, END, ERROR = "batch", "skipped", "epoch_end", "end", "error"
@@ -66,14 +63,24 @@ class Settings:
 
 
 class Sleeping:
-    """Whether the I/O thread sleeps in a long poll (so a release must wake it), and whether it
-    reads the session meanwhile: a box of its own, as a batch's finalizer must not hold the
-    shared record (which holds the queued batches)."""
+    """Whether the I/O thread sleeps in its poll, whether it reads the link itself, and the
+    producer's window: a box of its own, as a batch's finalizer must not hold the shared
+    record (which holds the queued batches)."""
 
-    __slots__ = ("now", "reading")
+    __slots__ = ("now", "reading", "long", "window")
 
     def __init__(self) -> None:
-        self.now = self.reading = False
+        self.now = self.reading = self.long = False  # long: past its next TICK
+        self.window = 1
+
+    def wants(self, live: set[int], released: collections.deque[Any]) -> bool:
+        """Whether a release must reach the producer now, not at the I/O thread's next tick
+        or the caller's next read: when the I/O thread reads the link (the caller's thread
+        sends nothing), or when this consumer holds nearly the whole window (the producer may
+        wait for that place to publish the batch we want next; the window is the producer's
+        slots, or this consumer's prefetch if smaller). Otherwise the wake-up would
+        cost more CPU than the batch (~250 us on a 2-core VM after a 20 ms step)."""
+        return self.reading or len(live) + len(released) >= self.window - 1
 
 
 @dataclass
@@ -98,7 +105,7 @@ class Shared:
     ready: list[Any] | None = None
     missed: int = 0  # batches lost at rejoins (the I/O thread counts; Consumer.missed adds them)
     link_lock: threading.Lock = field(default_factory=threading.Lock)
-    caller_at: tuple[bool, float] = (False, 0.0)  # (away from the start)
+    caller_inside: bool = False
     io_sleeping: Sleeping = field(default_factory=Sleeping)
 
     def __post_init__(self) -> None:
