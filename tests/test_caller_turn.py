@@ -30,6 +30,15 @@ def record_batch_readers(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return readers
 
 
+def read_all(consumer: Consumer, batches: int) -> list[bool]:
+    """Whether each batch of one epoch is the one expected (each dropped before the next)."""
+    got = []
+    for batch in consumer:
+        got.append(same(batch, expected_batch(len(got), batches)))
+        del batch
+    return got
+
+
 @pytest.mark.parametrize("slots", [1, 4])
 def test_batches_read_by_either_thread_arrive_once_in_order(name, slots, monkeypatch):
     batches, epochs = 30, 2
@@ -164,10 +173,8 @@ def test_a_small_prefetch_sends_its_releases_before_it_waits(name, prefetch):
     producer = Producer(NestedLoader(batches), name=name, slots=8, replay=0)
     with serving(producer, epochs=1) as (thread, errors):
         with Consumer(name=name, timeout=30, prefetch=prefetch) as consumer:
-            started, got = time.monotonic(), []
-            for batch in consumer:
-                got.append(same(batch, expected_batch(len(got), batches)))
-                del batch
+            started = time.monotonic()
+            got = read_all(consumer, batches)
             took = time.monotonic() - started
         thread.join(timeout=30)
     assert errors == [] and got == [True] * batches
@@ -185,10 +192,7 @@ def test_the_io_thread_rests_once_its_producer_ended(name):
     try:
         ready.get(timeout=60)
         with Consumer(name=name, timeout=30) as consumer:
-            got = []
-            for batch in consumer:
-                got.append(same(batch, expected_batch(len(got), batches)))
-                del batch
+            got = read_all(consumer, batches)
             proc.join(timeout=30)
             assert proc.exitcode == 0
             clock = time.pthread_getcpuclockid(consumer._io.ident)
@@ -201,3 +205,21 @@ def test_the_io_thread_rests_once_its_producer_ended(name):
         proc.join(timeout=30)
         if proc.is_alive():
             proc.kill()
+
+
+def test_the_io_thread_rests_after_the_end_while_its_producer_lives(name):
+    """After the stream's end nothing more is due (no heartbeat goes after END), so with its
+    producer still alive (here: in this process, so its pidfd never fires) the I/O thread must
+    tick, not find every deadline past and wake each millisecond."""
+    batches = 6
+    producer = Producer(NestedLoader(batches), name=name, slots=3, replay=0)
+    with serving(producer, epochs=1) as (thread, errors):
+        with Consumer(name=name, timeout=2.0) as consumer:
+            got = read_all(consumer, batches)
+            thread.join(timeout=30)
+            time.sleep(1.2)  # past its heartbeat (0.5 s) and STATS (1 s) deadlines
+            before = io_wakeups(consumer)
+            time.sleep(1.0)
+            woken = io_wakeups(consumer) - before
+    assert errors == [] and got == [True] * batches
+    assert woken < 100, f"the I/O thread woke {woken} times in 1 s after the end"  # (a TICK: ~20)

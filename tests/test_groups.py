@@ -392,3 +392,39 @@ def test_a_broken_groups_member_keeps_what_it_holds_past_its_timeout(name):
         assert not errors, errors
     finally:
         producer.close()
+
+
+def test_many_ranks_on_a_small_window_do_not_wait_for_each_others_releases(name):
+    """Each rank holds other places than the others, so one that waits for its next batch must
+    have sent what it released: held back (four to a message) while every rank waited, they
+    left the producer without a free place until some rank's I/O thread woke for a heartbeat,
+    up to a second later (6 ranks on 8 slots: waits of 0.5-0.9 s; without them a few ms)."""
+    samples, size = BATCH * 600, 6
+    results: dict[int, Any] = {}
+    longest: dict[int, float] = {}
+
+    def rank(r: int) -> None:
+        with Consumer(name=name, group="wide", rank=r, world_size=size, timeout=30) as c:
+            seen, waits, it = [], [], iter(c)
+            while True:
+                started = time.monotonic()
+                try:
+                    _, ids = next(it)
+                except StopIteration:
+                    break
+                waits.append(time.monotonic() - started)
+                seen.append(ids.tolist())
+            results[r], longest[r] = [seen], max(waits[1:])  # (the first waits for every rank to join)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    with Producer(make_loader(samples), name=name, slots=8, replay=0, min_consumers=size) as producer:
+        producer.serve(epochs=1)
+    for t in threads:
+        t.join(timeout=30)
+    reference = reference_epochs(samples, 1)
+    assert [results.get(r) for r in range(size)] == [
+        [share_of(reference[0], r, size, "pad")] for r in range(size)
+    ]
+    assert max(longest.values()) < 0.4, f"longest wait for a batch, by rank: {longest}"

@@ -36,11 +36,15 @@ log = logging.getLogger("tensorsocket")
 
 _TICK_MS = int(TICK * 1000)
 #: Releases held back: sent four to a message, or sooner when the producer may be waiting for
-#: them (Sleeping.wants), else by the I/O thread at its next turn. (The producer's I/O thread
-#: reads each message: four to a message instead of two gave its CPU per batch 0.87x with 1
-#: consumer and 0.83x with 4, protocol_cost-vm-2026-11-24-caller-turns.json.) Before, a wait
-#: in next() sent them after 1 ms: a wake-up of the caller's thread per batch when it waits.
+#: them (Sleeping.wants), and always before a wait for the next message; while batches come
+#: back to back (the last wait for one took under _QUICK) that wait first holds them _HELD_MS
+#: for the next message. (The producer's I/O thread reads each message: four to a message
+#: instead of two gave its CPU per batch 0.87x with 1 consumer and 0.83x with 4,
+#: protocol_cost-vm-2026-11-24-caller-turns.json.) The hold only while batches come quickly:
+#: after a training step it was a timer wake-up of the caller's thread per batch.
 _HOLD_RELEASES = 3
+_HELD_MS = 1
+_QUICK = 0.002  # seconds
 
 
 class CallerTurns:
@@ -50,6 +54,7 @@ class CallerTurns:
         self.shared, self.inbox, self.io, self.endpoint = shared, inbox, io, endpoint
         self._fd = -1
         self._poll = select.poll()
+        self._quick = False  # the last wait for a message took under _QUICK
 
     def take(self, check: Callable[[], None]) -> tuple[str, Any]:
         """Block for the next queue item (reading the link for it when this thread may), with
@@ -126,9 +131,22 @@ class CallerTurns:
         finally:
             shared.link_lock.release()
         self._watch(fd)
+        if shared.released:  # none may wait with us: a group's ranks each hold other places
+            if self._quick and self._poll.poll(_HELD_MS):
+                return True  # batches come back to back: these go with the next ones
+            if not shared.link_lock.acquire(timeout=TICK):
+                return None
+            try:
+                if inbox.caller_may_read():
+                    self._guarded(inbox.send_releases)
+            finally:
+                shared.link_lock.release()
         if not shared.queue.empty():
             return True
-        return bool(self._poll.poll(_TICK_MS))
+        started = time.monotonic()
+        ready = bool(self._poll.poll(_TICK_MS))
+        self._quick = time.monotonic() - started < _QUICK
+        return ready
 
     def _watch(self, fd: int) -> None:
         if fd != self._fd:

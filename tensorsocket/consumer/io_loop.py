@@ -32,6 +32,7 @@ log = logging.getLogger("tensorsocket")
 _TICK_MS = int(TICK * 1000)
 _ALIVE_EVERY = 0.02  # seconds between checks that a producer on this host is alive (no pidfd)
 _STATS_EVERY = 1.0  # seconds between STATS reports to the producer
+_ZMQ_GRACE_MS = 100  # after the producer's end, how long ZeroMQ may take to hand over its last messages
 
 
 def run(shared: Shared, settings: Settings, outcome: queue.SimpleQueue[Any]) -> None:
@@ -144,13 +145,14 @@ class ConsumerIo(Inbox):
         Else until the next thing due (a heartbeat, STATS, the producer's silence deadline),
         at most a quarter of ``timeout`` (a longer gap reads as a freeze): a consumer waiting
         in next() for a slow loader then costs no wake-up of this thread per batch (~250 us
-        of CPU each on a 2-core VM). What must happen sooner wakes us: a message we read, a
+        of CPU each on a 2-core VM); if it then steps, we read ahead only from our next wake
+        (its next() reads meanwhile). What must happen sooner wakes us: a message we read, a
         release that must go now, close(), the caller taking a batch we read ahead (see
         CallerTurns.take), the end of the session or of the producer (its pidfd)."""
         if self.caller_may_read() and not self.shared.caller_inside:
             return _TICK_MS
-        if self.producer_local and self.pidfd is None:
-            return _TICK_MS
+        if self.shared.stream_over or (self.producer_local and self.pidfd is None):
+            return _TICK_MS  # (over: nothing is due any more, see _once)
         timeout = self.settings.timeout
         due = min(clock.last_sent + self.heartbeat, clock.last_stats + _STATS_EVERY, self.last_seen + timeout)
         return max(1, min(int((due - time.monotonic()) * 1000) + 1, int(timeout * 250)))
@@ -180,6 +182,8 @@ class ConsumerIo(Inbox):
                 return False
         if self.pidfd is not None and self.pidfd in events:
             self.unwatch_producer()  # (it stays readable: the producer ended)
+            if not self.link.switched:  # what it sent last may still be in ZeroMQ's own thread
+                self.link.socket.poll(_ZMQ_GRACE_MS)
             if not self.receive():  # what it sent before it ended comes first (END, say)
                 return False
             if not shared.stream_over:
