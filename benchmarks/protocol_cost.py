@@ -13,7 +13,9 @@ Variants, one after the other in the same run:
 * ``check_writes``: ``Consumer(check_writes=True)``: writable mappings, each batch's sampled
   fingerprint checked at release (what every host consumer did before read-only mappings);
 * ``zeromq``: as ``read-only``, but the producer offers no sessions (``TENSORSOCKET_SESSION=0``),
-  so every message goes over ZeroMQ (what every consumer did before sessions).
+  so every message goes over ZeroMQ (what every consumer did before sessions);
+* ``plain-waits``: as ``read-only``, but every process waits as ``SCHED_OTHER``
+  (``TENSORSOCKET_YIELDING=0``: what they did before ``tensorsocket.yielding``).
 
 Then, unless ``--no-goals``, issue 18's goals next to their floors, measured in the same run:
 each round also runs ``benchmarks.lean_path``'s one-thread prototype (tensorsocket's own
@@ -43,9 +45,11 @@ import torch
 
 from benchmarks.sharing import RESULTS, SPAWN, machine, write
 
-VARIANTS = {"read-only": {}, "check_writes": {"check_writes": True}, "zeromq": {}}
+VARIANTS = {"read-only": {}, "check_writes": {"check_writes": True}, "zeromq": {}, "plain-waits": {}}
 #: The producer's environment per variant: "zeromq" offers no sessions (every message over ZeroMQ)
-PRODUCER_ENV = {"zeromq": {"TENSORSOCKET_SESSION": "0"}}
+PRODUCER_ENV = {"zeromq": {"TENSORSOCKET_SESSION": "0"}, "plain-waits": {"TENSORSOCKET_YIELDING": "0"}}
+#: The consumers' environment per variant
+CONSUMER_ENV = {"plain-waits": {"TENSORSOCKET_YIELDING": "0"}}
 
 
 class Tiny:
@@ -101,7 +105,8 @@ def _produce(
         out.put({"role": "producer", "cpu_s": spent["process"], "threads_s": spent, "wall_s": wall})
 
 
-def _consume(name: str, options: dict[str, Any], out: Any) -> None:
+def _consume(name: str, options: dict[str, Any], out: Any, env: dict[str, str] | None = None) -> None:
+    os.environ.update(env or {})
     from tensorsocket import Consumer
 
     torch.set_num_threads(1)
@@ -121,7 +126,10 @@ def run_once(
 ) -> dict[str, Any]:
     name = f"cost-{uuid.uuid4().hex[:8]}"
     out = SPAWN.Queue()
-    procs = [SPAWN.Process(target=_consume, args=(name, VARIANTS[variant], out)) for _ in range(consumers)]
+    procs = [
+        SPAWN.Process(target=_consume, args=(name, VARIANTS[variant], out, CONSUMER_ENV.get(variant)))
+        for _ in range(consumers)
+    ]
     procs.append(
         SPAWN.Process(
             target=_produce, args=(name, batches, consumers, PRODUCER_ENV.get(variant, {}), out, replay)
@@ -282,7 +290,12 @@ def main(argv: list[str] | None = None) -> None:
             2,
         )
         row["read_only_over_zeromq"] = ratios(row["read-only"], row["zeromq"])  # what sessions change
+        # and what waiting as SCHED_BATCH changes (tensorsocket.yielding)
+        row["read_only_over_plain_waits"] = ratios(row["read-only"], row["plain-waits"])
         print(f"x{consumers}: read-only (sessions) / zeromq: {row['read_only_over_zeromq']}")
+        print(
+            f"x{consumers}: read-only (SCHED_BATCH waits) / plain-waits: {row['read_only_over_plain_waits']}"
+        )
         summary.append(row)
     goals = None
     if not args.no_goals:

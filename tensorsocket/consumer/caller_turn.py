@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .. import protocol
+from .. import protocol, yielding
 from ..errors import Closed, ProducerLost
 from ..protocol import Kind
 from .inbox import Inbox
@@ -132,7 +132,7 @@ class CallerTurns:
             shared.link_lock.release()
         self._watch(fd)
         if shared.released:  # none may wait with us: a group's ranks each hold other places
-            if self._quick and self._poll.poll(_HELD_MS):
+            if self._quick and yielding.poll(self._poll, _HELD_MS):
                 return True  # batches come back to back: these go with the next ones
             if not shared.link_lock.acquire(timeout=TICK):
                 return None
@@ -144,7 +144,7 @@ class CallerTurns:
         if not shared.queue.empty():
             return True
         started = time.monotonic()
-        ready = bool(self._poll.poll(_TICK_MS))
+        ready = bool(yielding.poll(self._poll, _TICK_MS))
         self._quick = time.monotonic() - started < _QUICK
         return ready
 
