@@ -47,6 +47,7 @@ from benchmarks.sharing import RESULTS, SPAWN, machine, write
 
 VARIANTS = {"read-only": {}, "check_writes": {"check_writes": True}, "zeromq": {}, "plain-waits": {}}
 #: The producer's environment per variant: "zeromq" offers no sessions (every message over ZeroMQ)
+#: ("plain-waits" too, though the producer's own waits are plain either way)
 PRODUCER_ENV = {"zeromq": {"TENSORSOCKET_SESSION": "0"}, "plain-waits": {"TENSORSOCKET_YIELDING": "0"}}
 #: The consumers' environment per variant
 CONSUMER_ENV = {"plain-waits": {"TENSORSOCKET_YIELDING": "0"}}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -21,10 +22,14 @@ import pytest
 from tensorsocket import Consumer, yielding
 from tests.support import SPAWN, expected_batch, same, serve_producer, unique_name, wait_until
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies")
+pytestmark = pytest.mark.skipif(
+    not hasattr(os, "SCHED_BATCH") or os.sched_getscheduler(0) != os.SCHED_OTHER,
+    reason="Linux scheduling policies, from a SCHED_OTHER thread (new threads inherit it)",
+)
 
 
 def policy_of(thread: threading.Thread) -> int:
+    """``thread``'s policy now, as the kernel reports it for its thread id."""
     return os.sched_getscheduler(thread.native_id)  # type: ignore[arg-type]
 
 
@@ -41,6 +46,7 @@ def policies_while(thread: threading.Thread, running: Callable[[], bool]) -> Cou
 
 
 def sample_for(thread: threading.Thread, seconds: float) -> Counter[int]:
+    """How often each policy was seen on ``thread`` over the next ``seconds``."""
     deadline = time.monotonic() + seconds
     return policies_while(thread, lambda: time.monotonic() < deadline)
 
@@ -72,6 +78,7 @@ def wait_in_thread(policy: int | None, waits_as: int) -> tuple[Counter[int], dic
             lambda: policy_of(thread) == waits_as, 5, lambda: f"policy {waits_as}: {policy_of(thread)}"
         )
         seen = sample_for(thread, 0.3)
+        out["caller"] = os.sched_getscheduler(0)  # (this thread: the policy is the waiter's alone)
         os.write(w, b"x")
         thread.join(timeout=5)
         assert not thread.is_alive(), "the waiting thread did not wake for its message"
@@ -85,14 +92,71 @@ def test_a_waiting_thread_is_batch_while_it_waits_and_what_it_was_once_it_wakes(
     seen, out = wait_in_thread(None, os.SCHED_BATCH)
     assert out["before"] == os.SCHED_OTHER
     assert set(seen) == {os.SCHED_BATCH}
+    assert out["caller"] == os.SCHED_OTHER
     assert out["ready"] and out["ready"][0][1] & select.POLLIN
     assert out["after"] == os.SCHED_OTHER
 
 
 def test_a_thread_of_another_policy_is_left_alone() -> None:
-    seen, out = wait_in_thread(os.SCHED_IDLE, os.SCHED_IDLE)  # (any thread may lower itself to idle)
-    assert set(seen) == {os.SCHED_IDLE}
-    assert out["ready"] and out["after"] == os.SCHED_IDLE
+    # (batch already: were its policy not looked at, the wait would end it SCHED_OTHER)
+    seen, out = wait_in_thread(os.SCHED_BATCH, os.SCHED_BATCH)
+    assert set(seen) == {os.SCHED_BATCH}
+    assert out["ready"] and out["after"] == os.SCHED_BATCH
+
+
+def test_an_interrupted_wait_leaves_the_thread_as_it_was() -> None:
+    """A signal handler raising in the wait (Ctrl-C in a notebook that goes on training)."""
+
+    class Interrupted(Exception):
+        pass
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise Interrupted
+
+    r, w = os.pipe()
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        poller = select.poll()
+        poller.register(r, select.POLLIN)
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        with pytest.raises(Interrupted):
+            yielding.poll(poller, 10_000)
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        os.close(r)
+        os.close(w)
+
+
+def test_a_refused_switch_turns_switching_off_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where a seccomp filter refuses sched_setscheduler (tests run as root here, so the
+    refusal is simulated): the wait goes on plainly, and so do all later ones."""
+    monkeypatch.setattr(yielding._State, "enabled", True)
+    calls = []
+
+    def refuse(pid: int, policy: int, param: Any) -> None:
+        calls.append(policy)
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "sched_setscheduler", refuse)
+    r, w = os.pipe()
+    try:
+        poller = select.poll()
+        poller.register(r, select.POLLIN)
+        assert yielding.poll(poller, 20) == []  # a tick passes, plainly
+        assert yielding.poll(poller, 20) == []
+    finally:
+        os.close(r)
+        os.close(w)
+    assert yielding._State.enabled is False
+    assert calls == [os.SCHED_BATCH, os.SCHED_OTHER]  # (the way back is still tried), then no more
+    assert [r.getMessage() for r in caplog.records if "SCHED_BATCH" in r.getMessage()] == [
+        "waiting as SCHED_BATCH was refused ([Errno 1] Operation not permitted): waits are plain ones "
+        "from now on"
+    ]
 
 
 def test_a_message_already_there_and_a_tick_with_nothing_return_as_poll_does() -> None:
@@ -135,14 +199,17 @@ def test_a_consumer_waits_for_a_slow_producer_as_batch_and_gets_every_batch() ->
         target=serve_producer, args=(name, batches, ready), kwargs={"delay": 0.2, "slots": 8, "epochs": 1}
     )
     proc.start()
-    out: dict[str, Any] = {"exact": [], "after": []}
+    out: dict[str, Any] = {"exact": [], "after": [], "error": None}
 
     def train() -> None:
-        with Consumer(name=name, timeout=30) as consumer:
-            for index, batch in enumerate(consumer):
-                out["after"].append(os.sched_getscheduler(0))  # (back from a wait in next())
-                out["exact"].append(same(batch, expected_batch(index, batches)))
-                del batch
+        try:
+            with Consumer(name=name, timeout=30) as consumer:
+                for index, batch in enumerate(consumer):
+                    out["after"].append(os.sched_getscheduler(0))  # (back from a wait in next())
+                    out["exact"].append(same(batch, expected_batch(index, batches)))
+                    del batch
+        except Exception as exc:  # (shown by the assertion below)
+            out["error"] = repr(exc)
 
     try:
         ready.get(timeout=60)
@@ -154,6 +221,7 @@ def test_a_consumer_waits_for_a_slow_producer_as_batch_and_gets_every_batch() ->
         proc.join(timeout=30)
         if proc.is_alive():
             proc.kill()
+    assert out["error"] is None
     assert out["exact"] == [True] * batches
     assert seen[os.SCHED_BATCH] >= 100  # samples: it waited ~0.2 s for each batch
     assert out["after"] == [os.SCHED_OTHER] * batches

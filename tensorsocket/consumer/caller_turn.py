@@ -44,6 +44,7 @@ _TICK_MS = int(TICK * 1000)
 #: after a training step it was a timer wake-up of the caller's thread per batch.
 _HOLD_RELEASES = 3
 _HELD_MS = 1
+#: (a wait as SCHED_BATCH, yielding.poll, on a machine with no idle CPU can take a tick, 4 ms: not quick)
 _QUICK = 0.002  # seconds
 
 
