@@ -14,7 +14,7 @@ Variants, one after the other in the same run:
   fingerprint checked at release (what every host consumer did before read-only mappings);
 * ``zeromq``: as ``read-only``, but the producer offers no sessions (``TENSORSOCKET_SESSION=0``),
   so every message goes over ZeroMQ (what every consumer did before sessions);
-* ``plain-waits``: as ``read-only``, but every process waits as ``SCHED_OTHER``
+* ``plain-waits``: as ``read-only``, but the consumers wait as ``SCHED_OTHER``
   (``TENSORSOCKET_YIELDING=0``: what they did before ``tensorsocket.yielding``).
 
 Then, unless ``--no-goals``, issue 18's goals next to their floors, measured in the same run:
@@ -47,9 +47,8 @@ from benchmarks.sharing import RESULTS, SPAWN, machine, write
 
 VARIANTS = {"read-only": {}, "check_writes": {"check_writes": True}, "zeromq": {}, "plain-waits": {}}
 #: The producer's environment per variant: "zeromq" offers no sessions (every message over ZeroMQ)
-#: ("plain-waits" too, though the producer's own waits are plain either way)
-PRODUCER_ENV = {"zeromq": {"TENSORSOCKET_SESSION": "0"}, "plain-waits": {"TENSORSOCKET_YIELDING": "0"}}
-#: The consumers' environment per variant
+PRODUCER_ENV = {"zeromq": {"TENSORSOCKET_SESSION": "0"}}
+#: The consumers' environment per variant (the producer's own waits are plain either way)
 CONSUMER_ENV = {"plain-waits": {"TENSORSOCKET_YIELDING": "0"}}
 
 

@@ -67,7 +67,7 @@ def _produce(name: str, batches: int, consumers: int, loader_s: float) -> None:
             pass
 
 
-def _switches(thread: threading.Thread) -> int:
+def voluntary_switches(thread: threading.Thread) -> int:
     """The voluntary context switches of ``thread`` so far: each is a sleep, so each wake-up."""
     with open(f"/proc/self/task/{thread.native_id}/status") as f:
         for line in f:
@@ -86,7 +86,7 @@ def _consume(name: str, step_s: float, out: Any) -> None:
         batch = next(it)  # start-up is not per-batch cost
         want, wrong, inside = 1, 0, []
         del batch
-        cpu0, woken0 = _thread_cpu(), _switches(io)
+        cpu0, woken0 = _thread_cpu(), voluntary_switches(io)
         for _ in range(len(consumer) - 1):
             time.sleep(step_s)
             t0 = time.perf_counter()
@@ -95,7 +95,7 @@ def _consume(name: str, step_s: float, out: Any) -> None:
             wrong += int(batch[0][0].item() != want % 2)
             want += 1
             del batch
-        spent, woken = _split(cpu0, _thread_cpu()), _switches(io) - woken0
+        spent, woken = _split(cpu0, _thread_cpu()), voluntary_switches(io) - woken0
         n = want - 1
         out.put(
             {

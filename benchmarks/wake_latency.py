@@ -57,7 +57,8 @@ def _produce(name: str, batches: int, period: float, consumers: int) -> None:
             pass
 
 
-def _consume(name: str, out: Any) -> None:
+def _consume(name: str, out: Any, yielding: str) -> None:
+    os.environ["TENSORSOCKET_YIELDING"] = yielding  # (before tensorsocket is imported: read then)
     from tensorsocket import Consumer
 
     lags = []
@@ -75,10 +76,9 @@ def _spin(stop: Any) -> None:
 
 
 def run_case(mode: str, consumers: int, busy: bool, batches: int, period: float) -> dict[str, Any]:
-    os.environ["TENSORSOCKET_YIELDING"] = MODES[mode]  # (the spawned processes inherit it)
     name, out, stop = f"lag-{uuid.uuid4().hex[:8]}", SPAWN.Queue(), SPAWN.Event()
     spinners = [SPAWN.Process(target=_spin, args=(stop,)) for _ in range(os.cpu_count() or 1)] if busy else []
-    procs = [SPAWN.Process(target=_consume, args=(name, out)) for _ in range(consumers)]
+    procs = [SPAWN.Process(target=_consume, args=(name, out, MODES[mode])) for _ in range(consumers)]
     procs.append(SPAWN.Process(target=_produce, args=(name, batches, period, consumers)))
     try:
         for p in spinners + procs:

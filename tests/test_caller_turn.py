@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from benchmarks.step_cpu import voluntary_switches
 from tensorsocket import Consumer, Producer, ProducerLost, protocol
 from tensorsocket.consumer import inbox
 from tensorsocket.consumer.shared import TICK
@@ -118,11 +119,8 @@ def test_a_read_that_fails_in_the_callers_thread_ends_the_stream_instead_of_skip
 
 
 def io_wakeups(consumer: Consumer) -> int:
-    """How many times the consumer's I/O thread has slept and woken (its voluntary context
-    switches)."""
-    io = consumer._io
-    with open(f"/proc/self/task/{io.native_id}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches:"))
+    """How many times the consumer's I/O thread has slept and woken."""
+    return voluntary_switches(consumer._io)
 
 
 @pytest.mark.parametrize(

@@ -129,7 +129,7 @@ class ConsumerIo(Inbox):
             reading = not self.caller_may_read()
             self.link.watch(reading)
             sleeping.reading = reading
-            wait = self._sleep_ms(clock)
+            wait = self._sleep_ms(clock, reading)
             sleeping.long = wait > _TICK_MS
             urgent = shared.released and sleeping.wants(shared.live, shared.released)
             events = dict(self.poller.poll(0 if urgent else wait))
@@ -139,9 +139,10 @@ class ConsumerIo(Inbox):
                     return False
         return True
 
-    def _sleep_ms(self, clock: _Clock) -> int:
-        """How long to sleep. A TICK while the caller is away from next() over a session of
-        host batches (we read ahead at each), or while the producer's pid must be polled.
+    def _sleep_ms(self, clock: _Clock, reading: bool) -> int:
+        """How long to sleep (``reading``: this thread reads the link, the caller's may not).
+        A TICK while the caller is away from next() over a session of host batches (we read
+        ahead at each), or while the producer's pid must be polled.
         Else until the next thing due (a heartbeat, STATS, the producer's silence deadline),
         at most a quarter of ``timeout`` (a longer gap reads as a freeze): a consumer waiting
         in next() for a slow loader then costs no wake-up of this thread per batch (~250 us
@@ -149,7 +150,7 @@ class ConsumerIo(Inbox):
         (its next() reads meanwhile). What must happen sooner wakes us: a message we read, a
         release that must go now, close(), the caller taking a batch we read ahead (see
         CallerTurns.take), the end of the session or of the producer (its pidfd)."""
-        if self.caller_may_read() and not self.shared.caller_inside:
+        if not reading and not self.shared.caller_inside:
             return _TICK_MS
         if self.shared.stream_over or (self.producer_local and self.pidfd is None):
             return _TICK_MS  # (over: nothing is due any more, see _once)
