@@ -485,12 +485,15 @@ class Flow(Replaying):
         return out
 
     def _deliver(self, cid: Hashable, state: ConsumerState) -> list[Action]:
+        # (for every consumer at every batch and release: what it reads in locals, _resident inlined)
         out: list[Action] = []
         state.wants = None
-        while state.cursor is not None and state.cursor < self.next_seq:
-            if state.cut_after is not None and state.cursor > state.cut_after:
+        cursor, cut_after, held = state.cursor, state.cut_after, state.held
+        log, places = self._log, self._places
+        while cursor is not None and cursor < self.next_seq:
+            if cut_after is not None and cursor > cut_after:
                 break
-            entry = self._log[state.cursor]
+            entry = log[cursor]
             if entry.kind is EntryKind.BATCH:
                 if state.group is not None:
                     g = state.group
@@ -499,22 +502,24 @@ class Flow(Replaying):
                     if mine is None:
                         break  # its round is not decided yet
                     if not mine:
-                        state.cursor += 1
+                        cursor += 1
                         continue
-                if len(state.held) >= state.prefetch:
+                if len(held) >= state.prefetch:
                     break
-                if not self._resident(entry.seq):  # kept, in no place: restage() offers it
-                    state.wants = entry.seq
+                place = places[entry.place]  # type: ignore[index]
+                if place.state is not PlaceState.PUBLISHED or place.seq != cursor:
+                    state.wants = cursor  # kept, in no place: restage() offers it
                     break
-                state.held[entry.seq] = entry.place  # type: ignore[assignment]
-                self._places[entry.place].holders.add(cid)  # type: ignore[index]
+                held[cursor] = entry.place  # type: ignore[assignment]
+                place.holders.add(cid)
                 state.received += 1
             elif entry.kind is EntryKind.END:
                 state.finished = True
             out.append(Deliver(cid, entry))
             state.last_sent = entry
-            state.cursor += 1
-        if state.cut_after is not None and state.cursor is not None and state.cursor > state.cut_after:
+            cursor += 1
+        state.cursor = cursor
+        if cut_after is not None and cursor is not None and cursor > cut_after:
             out.extend(self._cut(cid, state))
         return out
 
@@ -578,10 +583,13 @@ class Flow(Replaying):
         """May batch ``next_seq`` be published? stall: not while any consumer lags ``window``
         batches behind. skip: not while the leader does, nor while a joiner is still catching
         up (more than ``max_lag`` behind the leader). (After the batch, none is further behind.)"""
-        active = self._active()
-        if self.max_lag is None:
-            return all(self._lag(c) < self.window for c in active)
-        return self._leader_lag() < self.window and not any(c.catching_up for c in active)
+        if self.max_lag is None:  # (one pass, _lag inlined: this runs for every batch)
+            nxt, before, limit = self.next_seq, self._before, self.published - self.window
+            for c in self.consumers.values():
+                if c.cursor is not None and c.cursor < nxt and not c.finished and before[c.cursor] <= limit:
+                    return False
+            return True
+        return self._leader_lag() < self.window and not any(c.catching_up for c in self._active())
 
     def _resident(self, seq: int) -> bool:
         entry = self._log.get(seq)
@@ -601,9 +609,10 @@ class Flow(Replaying):
         The log stays short: entries at or past the slowest cursor are unsent batches, and they
         and the replayable ones are in a place or kept.
         """
-        cursors = [c.cursor for c in self.consumers.values() if c.cursor is not None]
-        keep_from = min(cursors, default=self.next_seq)
-        keep_from = min(keep_from, self._oldest_replayable(), self.next_seq - 1)  # END stays
+        keep_from = min(self._oldest_replayable(), self.next_seq - 1)  # END stays
+        for c in self.consumers.values():
+            if c.cursor is not None and c.cursor < keep_from:
+                keep_from = c.cursor
         while self._log:
             seq = next(iter(self._log))
             if seq >= keep_from:

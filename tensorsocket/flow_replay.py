@@ -34,6 +34,8 @@ class Replaying:
         if keep:
             self._kept.append(seq)
             self._kept_set.add(seq)
+        if len(self._kept) <= keep:
+            return
         owed_from = self._owed_from()
         while len(self._kept) > keep:
             oldest = self._kept[0]
@@ -54,8 +56,10 @@ class Replaying:
         the kept batches nobody holds and only waiting consumers are owed, the newest (the one
         its waiters need last). A batch owed to a consumer that is not waiting is never taken:
         it would make that one wait for a re-stage too."""
-        busy = set(self._restaging.values())
-        wanted = [c.wants for c in self.consumers.values() if c.wants is not None and c.wants not in busy]
+        wanted = [c.wants for c in self.consumers.values() if c.wants is not None]
+        if wanted:  # (none, nearly always: asked before every batch's place)
+            busy = set(self._restaging.values())
+            wanted = [seq for seq in wanted if seq not in busy]
         if not wanted:
             return None
         seq = min(wanted)  # type: ignore[type-var]
@@ -135,9 +139,11 @@ class Replaying:
         nobody holds or is owed; None if there is neither."""
         if self._free:
             return self._free.pop()
-        owed_from = self._owed_from()
-        spare = [i for i in self._unheld() if self._places[i].seq < owed_from]  # type: ignore[operator]
-        return min(spare, key=lambda i: self._places[i].seq) if spare else None  # type: ignore[arg-type, return-value]
+        spare, oldest = None, self._owed_from()  # (one pass: this runs for every batch)
+        for i, s in enumerate(self._places):
+            if s.state is PlaceState.PUBLISHED and not s.holders and s.seq < oldest:  # type: ignore[operator]
+                spare, oldest = i, s.seq
+        return spare
 
     def _unheld(self) -> list[int]:
         return [i for i, s in enumerate(self._places) if s.state is PlaceState.PUBLISHED and not s.holders]
