@@ -485,7 +485,7 @@ class Flow(Replaying):
         return out
 
     def _deliver(self, cid: Hashable, state: ConsumerState) -> list[Action]:
-        # (for every consumer at every batch and release: what it reads in locals, _resident inlined)
+        # (for every consumer at every batch and release: what it reads is in locals)
         out: list[Action] = []
         state.wants = None
         cursor, cut_after, held = state.cursor, state.cut_after, state.held
@@ -507,7 +507,7 @@ class Flow(Replaying):
                 if len(held) >= state.prefetch:
                     break
                 place = places[entry.place]  # type: ignore[index]
-                if place.state is not PlaceState.PUBLISHED or place.seq != cursor:
+                if not place.holds(cursor):
                     state.wants = cursor  # kept, in no place: restage() offers it
                     break
                 held[cursor] = entry.place  # type: ignore[assignment]
@@ -596,7 +596,7 @@ class Flow(Replaying):
         if entry is None or entry.kind is not EntryKind.BATCH:
             return entry is not None
         place = self._places[entry.place]  # type: ignore[index]
-        return place.state is PlaceState.PUBLISHED and place.seq == seq
+        return place.holds(seq)
 
     def _oldest_replayable(self) -> int:
         """The smallest seq from which every entry up to the newest can still be sent (is in its

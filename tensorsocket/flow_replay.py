@@ -141,12 +141,12 @@ class Replaying:
             return self._free.pop()
         spare, oldest = None, self._owed_from()  # (one pass: this runs for every batch)
         for i, s in enumerate(self._places):
-            if s.state is PlaceState.PUBLISHED and not s.holders and s.seq < oldest:  # type: ignore[operator]
+            if s.unheld and s.seq < oldest:  # type: ignore[operator]
                 spare, oldest = i, s.seq
         return spare
 
     def _unheld(self) -> list[int]:
-        return [i for i, s in enumerate(self._places) if s.state is PlaceState.PUBLISHED and not s.holders]
+        return [i for i, s in enumerate(self._places) if s.unheld]
 
     def _owed_from(self) -> int:
         """Batches from here on are still owed to some consumer."""

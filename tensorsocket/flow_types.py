@@ -73,6 +73,15 @@ class Place:
     seq: int | None = None
     holders: set[Hashable] = field(default_factory=set)
 
+    def holds(self, seq: int) -> bool:
+        """Is batch ``seq`` in this place (published, not since overwritten)?"""
+        return self.state is PlaceState.PUBLISHED and self.seq == seq
+
+    @property
+    def unheld(self) -> bool:
+        """It holds a published batch that no consumer holds."""
+        return self.state is PlaceState.PUBLISHED and not self.holders
+
 
 @dataclass
 class ConsumerState:
