@@ -51,6 +51,7 @@ def whole_batch() -> tuple[Callable[[], object], Callable[[], None]]:
 
     plan = layout.plan((torch.rand(32, 16), torch.arange(32)))
     store, reader, shared = ShmStore(), ShmReader(torch.device("cpu"), writable=False), Shared()
+    releases = delivery.Releases(shared)
     arena = store.prepare(0, plan.nbytes)
     for descriptor in store.install(arena) if arena is not None else ():
         reader.announce(descriptor)
@@ -65,7 +66,7 @@ def whole_batch() -> tuple[Callable[[], object], Callable[[], None]]:
     def one() -> None:
         _, msg = protocol.decode(frame, protocol.MAX_REPLY_BYTES)
         recipe = recipes.get(msg["layout"])
-        batch, _, _ = delivery.build(msg, recipe, reader, shared, False)
+        batch, _, _ = delivery.build(msg, recipe, reader, releases, False)
         recipe.count(batch)
         del batch
         shared.released.clear()

@@ -148,7 +148,7 @@ class Flow(Replaying):
 
     def serving(self) -> int:
         """Consumers the stream is for: not waiting for the rest of their group, not cut off."""
-        return sum(not (c.forming or c.broken) for c in self.consumers.values())
+        return len([c for c in self.consumers.values() if not (c.broken or c.forming)])  # (no generator)
 
     def groups(self) -> list[Group]:
         """Every group with a member here (forming, started or broken), oldest first."""

@@ -10,6 +10,7 @@ import time
 import weakref
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 import torch
@@ -266,3 +267,19 @@ def test_recipes_refuse_more_leaves_in_all_than_one_batch_may_have():
     recipes.define(0, wide)  # the same number again: counted once
     with pytest.raises(ProtocolError, match="leaves in all"):
         recipes.define(1, wide)
+
+
+def test_the_last_layout_is_reused_only_while_it_is_the_same():
+    last = layout_table.LastLayout()
+    x = torch.zeros(4, 3)
+    first, key = last.encode(layout.plan((x, torch.arange(4))))
+    again, same = last.encode(layout.plan((x + 1, torch.arange(4, 8))))  # other bytes, same layout
+    assert again is first and same == key
+    other, other_key = last.encode(layout.plan((torch.zeros(5, 3), torch.arange(5))))
+    assert other_key != key and other == layout.plan((torch.zeros(5, 3), torch.arange(5))).encode()
+    # Plain values compare equal across types and signs, but travel as they are
+    for a, b in ((1, True), (0.0, -0.0), (1, 1.0)):
+        encoded_a, key_a = last.encode(layout.plan({"x": x, "v": a}))
+        encoded_b, key_b = last.encode(layout.plan({"x": x, "v": b}))
+        assert key_a != key_b, (a, b)
+        assert msgpack.packb(encoded_b) == msgpack.packb(layout.plan({"x": x, "v": b}).encode())

@@ -4,16 +4,19 @@ ones are not, and consumers map only tensorsocket segments."""
 from __future__ import annotations
 
 import errno
+import gc
 import json
 import os
 import subprocess
 import sys
+import weakref
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
-from tensorsocket import layout
+from tensorsocket import layout, layout_table
 from tensorsocket.errors import ProtocolError
 from tensorsocket.transport import shm
 from tensorsocket.transport.shm import PREFIX, SHM_DIR, ArenaInfo, ShmReader, ShmStore, sweep_stale
@@ -271,3 +274,40 @@ def test_a_fingerprint_taken_after_the_write_is_the_one_the_write_takes():
         taken = store.write(0, plan).wait()
         assert taken is not None and store.write(0, plan, False).wait() is None
         assert store.fingerprint(0, plan.nbytes) == taken
+
+
+def test_every_view_of_a_leased_batch_keeps_its_owner_alive():
+    """The release finalizer hangs on the lease's owner: a view that skipped it (NumPy collapses
+    a view's base past arrays that do not own their memory) would let the batch be released,
+    and its place rewritten, while the view still reads it."""
+    pool = ShmStore()
+    try:
+        batch = {
+            "x": torch.arange(64, dtype=torch.float32).reshape(8, 8),  # a tensor with a NumPy twin
+            "h": torch.arange(8, dtype=torch.bfloat16),  # one without
+            "a": np.arange(6, dtype=np.int16).reshape(2, 3),
+        }
+        plan = layout.plan(batch)
+        info = ArenaInfo.decode(pool.install(pool.prepare(0, plan.nbytes))[0])
+        pool.write(0, plan).wait()
+        reader = ShmReader(torch.device("cpu"))
+        reader.announce(info.encode())
+        recipe = layout_table.Recipe(plan.encode())
+        for key in batch:
+            lease = reader.lease(0, plan.nbytes)
+            owner = weakref.ref(lease.owner)
+            view = recipe.build(lease.region)[key][1:]  # derived from one leaf; the batch dropped
+            del lease
+            gc.collect()
+            assert owner() is not None, key
+            assert np.array_equal(as_float64(view), as_float64(batch[key][1:])), key
+            del view
+            gc.collect()
+            assert owner() is None, key
+        reader.close()
+    finally:
+        pool.close()
+
+
+def as_float64(values: torch.Tensor | np.ndarray) -> np.ndarray:
+    return values.double().numpy() if isinstance(values, torch.Tensor) else values.astype(np.float64)

@@ -62,15 +62,12 @@ class CallerTurns:
         the checks that make a wait finite: every TICK, that the I/O thread is alive, and
         ``check()`` (that this consumer is not waiting for a batch it can never get)."""
         shared = self.shared
-        try:
-            item = shared.queue.get_nowait()
-        except queue.Empty:
-            pass
-        else:  # read ahead: if the I/O thread went to sleep long (we were in here), it reads on
+        if not shared.queue.empty():  # (only this thread takes: an item seen is there to take)
+            # read ahead: if the I/O thread went to sleep long (we were in here), it reads on
             sleeping = shared.io_sleeping
             if sleeping.long and sleeping.now and not sleeping.reading:
                 shared.wakeup.wake()
-            return item
+            return shared.queue.get_nowait()
         shared.caller_inside = True
         try:
             return self._wait(check)
@@ -80,10 +77,8 @@ class CallerTurns:
     def _wait(self, check: Callable[[], None]) -> tuple[str, Any]:
         shared, checked = self.shared, time.monotonic()
         while True:
-            try:
+            if not shared.queue.empty():
                 return shared.queue.get_nowait()
-            except queue.Empty:
-                pass
             turned = self.turn()
             if turned is None:
                 try:

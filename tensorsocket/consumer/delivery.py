@@ -10,24 +10,52 @@ fingerprint and sends RELEASE. Only then may the producer reuse the place.
 
 from __future__ import annotations
 
-import collections
-import functools
 import weakref
 from typing import Any
 
 from ..layout_table import Recipe
 from ..transport import Reader
-from ..wakeup import Wakeup
-from .shared import Shared, Sleeping
+from .shared import Shared
 
 #: The weak references whose callbacks release batches, by id (a weak reference hashes as
-#: its referent, and arrays do not hash), kept alive until they fire: as weakref.finalize
-#: keeps its own, at ~4 us more per batch than a bare reference with a callback.
-_WATCHING: dict[int, weakref.ref[Any]] = {}
+#: its referent, and arrays do not hash), with what their release says, kept alive until they
+#: fire: as weakref.finalize keeps its own, at ~4 us more per batch than a bare reference
+#: with a callback.
+_WATCHING: dict[int, tuple[weakref.ref[Any], tuple[Any, ...]]] = {}
+
+
+class Releases:
+    """What a batch's finalizer needs of the consumer: a box of its own, as the finalizer must
+    not hold the shared record (which holds the queued batches) or the Consumer, so a dropped
+    Consumer is collected. Each batch's weak reference calls :meth:`fired` (a bound method:
+    cheaper per batch than a partial binding all of these)."""
+
+    __slots__ = ("live", "released", "wakeup", "sleeping")
+
+    def __init__(self, shared: Shared) -> None:
+        self.live, self.released, self.wakeup, self.sleeping = (
+            shared.live, shared.released, shared.wakeup, shared.io_sleeping
+        )  # fmt: skip
+
+    def fired(self, watch: weakref.ref[Any]) -> None:
+        """A batch's finalizer: runs in whichever thread dropped its last view. It must not
+        touch the link. It wakes the I/O thread only for a release that must go now
+        (:meth:`Sleeping.wants`): the rest go with the caller's thread's next read, or at the
+        I/O thread's next tick."""
+        _, item = _WATCHING.pop(id(watch))
+        self.live.discard(item[0])
+        released, sleeping = self.released, self.sleeping
+
+        def ready() -> None:
+            released.append(item)
+            if sleeping.now and sleeping.wants(self.live, released):
+                self.wakeup.wake()
+
+        item[6].retire(item[1], ready)
 
 
 def build(
-    msg: dict[str, Any], recipe: Recipe, reader: Reader, shared: Shared, copy: bool
+    msg: dict[str, Any], recipe: Recipe, reader: Reader, releases: Releases, copy: bool
 ) -> tuple[Any, Any, weakref.ref[Any]]:
     """The user's batch from a BATCH message and its (checked) layout, its lease's token and
     a weak reference to the lease's owner, whose death releases the batch (I/O thread).
@@ -35,39 +63,10 @@ def build(
     place, seq, nbytes = msg["place"], msg["seq"], recipe.nbytes  # (the reader checks it fits the place)
     lease = reader.lease(place, nbytes)
     item = (seq, lease.token, nbytes, msg["fingerprint"], msg["epoch"], msg["index"], reader)
-    watch = weakref.ref(
-        lease.owner,
-        functools.partial(
-            _release_later, shared.live, shared.released, shared.wakeup, shared.io_sleeping, reader, item
-        ),
-    )
-    _WATCHING[id(watch)] = watch
+    watch = weakref.ref(lease.owner, releases.fired)
+    _WATCHING[id(watch)] = (watch, item)
     batch = reader.deliver(recipe.build(lease.region), copy=copy)
     return batch, lease.token, watch
-
-
-def _release_later(
-    live: set[int],
-    released: collections.deque[Any],
-    wakeup: Wakeup,
-    sleeping: Sleeping,
-    reader: Reader,
-    item: tuple[Any, ...],
-    watch: weakref.ref[Any],
-) -> None:
-    """A batch's finalizer: runs in whichever thread dropped its last view. It must not touch
-    the link, and it references no Consumer or shared record, so a dropped Consumer is collected.
-    It wakes the I/O thread only for a release that must go now (:meth:`Sleeping.wants`): the
-    rest go with the caller's thread's next read, or at the I/O thread's next tick."""
-    _WATCHING.pop(id(watch), None)
-    live.discard(item[0])
-
-    def ready() -> None:
-        released.append(item)
-        if sleeping.now and sleeping.wants(live, released):
-            wakeup.wake()
-
-    reader.retire(item[1], ready)
 
 
 def modified(label: str, epoch: int, index: int) -> str:

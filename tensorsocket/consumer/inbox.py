@@ -31,6 +31,7 @@ class Inbox:
 
     def __init__(self, shared: Shared, settings: Settings, link: Link, stream: str) -> None:
         self.shared, self.settings, self.link = shared, settings, link
+        self.releases = delivery.Releases(shared)  # what each batch's finalizer needs
         self.endpoint = settings.endpoint
         self.reader: Reader
         self.recipes: Recipes
@@ -81,7 +82,9 @@ class Inbox:
                 return True
             if kind is Kind.BATCH:
                 recipe = self.recipes.get(msg["layout"])
-                batch, token, release = delivery.build(msg, recipe, self.reader, shared, self.settings.copy)
+                batch, token, release = delivery.build(
+                    msg, recipe, self.reader, self.releases, self.settings.copy
+                )
                 samples = recipe.count(batch)  # counted here, off the training thread
                 payload = (
                     batch,

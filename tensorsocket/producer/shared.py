@@ -201,7 +201,10 @@ class Shared:
         """Does a joined consumer check fingerprints (lock held)? A host consumer that maps
         batches read-only (the default) needs none; computing one was ~10% of the
         publisher's CPU with small batches."""
-        return any(peer.check_writes for peer in self.peers.values())
+        for peer in self.peers.values():  # (a loop, not any() over a generator: asked twice a batch)
+            if peer.check_writes:
+                return True
+        return False
 
     def _groups(self) -> list[GroupStatus]:
         flow = self.flow

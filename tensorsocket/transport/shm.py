@@ -270,7 +270,10 @@ class ShmReader(Reader):
 
     A region is a fresh uint8 NumPy array over the first ``nbytes`` of a place's arena (the
     owner the release finalizer hangs on) and a tensor over it; every view of the batch keeps
-    it, and through it the mapping, alive.
+    it, and through it the mapping, alive. It must be an array straight over the mapping: a
+    view of an array collapses its base to the first array that owns the memory or is over a
+    non-array, so a region sliced from one array over the whole mapping would be skipped by
+    its views, and die (releasing the batch) while they live.
     """
 
     kind = KIND
@@ -308,7 +311,7 @@ class ShmReader(Reader):
         mm = self._maps.get(place)
         if mm is None:
             mm = self._maps[place] = open_segment(info.name, info.size, self.writable)
-        return np.frombuffer(mm, dtype=np.uint8, count=nbytes)
+        return np.ndarray((nbytes,), np.uint8, mm)  # (np.frombuffer's twin, ~0.3 us quicker)
 
     def deliver(self, views: Any, copy: bool) -> Any:
         if self.device.type != "cpu":  # one copy, straight from shared memory to the device
