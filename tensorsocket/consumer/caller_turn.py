@@ -62,12 +62,16 @@ class CallerTurns:
         the checks that make a wait finite: every TICK, that the I/O thread is alive, and
         ``check()`` (that this consumer is not waiting for a batch it can never get)."""
         shared = self.shared
-        if not shared.queue.empty():  # (only this thread takes: an item seen is there to take)
-            # read ahead: if the I/O thread went to sleep long (we were in here), it reads on
-            sleeping = shared.io_sleeping
-            if sleeping.long and sleeping.now and not sleeping.reading:
-                shared.wakeup.wake()
-            return shared.queue.get_nowait()
+        if not shared.queue.empty():  # (not get_nowait() first: raising Empty each batch costs)
+            try:
+                item = shared.queue.get_nowait()
+            except queue.Empty:  # close() from another thread emptied it meanwhile
+                pass
+            else:  # read ahead: if the I/O thread went to sleep long (we were in here), it reads on
+                sleeping = shared.io_sleeping
+                if sleeping.long and sleeping.now and not sleeping.reading:
+                    shared.wakeup.wake()
+                return item
         shared.caller_inside = True
         try:
             return self._wait(check)
@@ -78,7 +82,10 @@ class CallerTurns:
         shared, checked = self.shared, time.monotonic()
         while True:
             if not shared.queue.empty():
-                return shared.queue.get_nowait()
+                try:
+                    return shared.queue.get_nowait()
+                except queue.Empty:  # (close() from another thread)
+                    pass
             turned = self.turn()
             if turned is None:
                 try:

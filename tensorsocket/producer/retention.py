@@ -71,6 +71,7 @@ class Retention:
         self.max_batches = 0
         self.max_files = max(16, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4)
         self.copies = False  # a kept batch changed after it was published: keep copies from now on
+        self.newest_copy = False  # the newest kept batch is a copy of its place (it cannot change)
         self._kept: collections.deque[Kept] = collections.deque()
         self._by_seq: dict[int, Kept] = {}
         self._bytes = self._files = 0  # of every kept batch
@@ -88,6 +89,7 @@ class Retention:
         """Keep ``kept`` (just published); how many of the newest batches fit the bounds."""
         self._kept.append(kept)
         self._by_seq[kept.seq] = kept
+        self.newest_copy = kept.fingerprint is None
         self._bytes += kept.plan.nbytes
         self._files += kept.files
         count, nbytes, files = len(self._kept), self._bytes, self._files
@@ -118,6 +120,7 @@ class Retention:
         old = self._by_seq[seq]
         self._files -= old.files
         old.plan, old.fingerprint, old.files = flat_plan(copy), None, 0
+        self.newest_copy = self._kept[-1].fingerprint is None
 
 
 def open_files(plan: layout.Plan) -> int:
@@ -149,7 +152,6 @@ class Replay:
     def __init__(self, shared: Shared, io: IoLoop) -> None:
         self.shared, self.io = shared, io
         self.kept = Retention()
-        self.newest_copied = False  # the batch last kept is a copy of its place (to_keep)
 
     def size(self, plan: layout.Plan, room: Room | None) -> None:
         """Size the replay buffer now that a batch's size is known: at most the budget's bytes,
@@ -197,8 +199,7 @@ class Replay:
         nothing."""
         if not self.kept.budget:
             return None
-        self.newest_copied = self.kept.copies or plan.nbytes < COPY_BELOW
-        if self.newest_copied:
+        if self.kept.copies or plan.nbytes < COPY_BELOW:
             return flat_plan(copy_out(self.shared.store, place, plan.nbytes)), None, 0
         return plan, plan_fingerprint(plan), open_files(plan)
 
@@ -206,8 +207,8 @@ class Replay:
         """The newest kept batch, checked now that the next one was pulled: if the loader reused
         its buffer (or the loop changed the batch in place), keep a copy of its place's bytes,
         and copies from now on."""
-        if self.newest_copied:  # (ours: it cannot change; and no lock taken for every tiny batch)
-            return
+        if self.kept.newest_copy:  # (ours: it cannot change; no lock taken for every tiny batch.
+            return  # Only this thread adds or replaces kept batches, and it set this under the lock)
         shared = self.shared
         with shared.changed:
             changed = self.kept.newest_changed()

@@ -7,8 +7,7 @@ that thread cost 26 us of the producer's 97 us per batch with 1 consumer, and 54
 needs a place, cost 0.81x and 0.71x the producer's CPU (``lean_path-vm-2026-11-24.json``).
 
 So in its turn, the publishing thread reads the sessions under the lock: before it asks for
-a batch's place (unless it read them less than ``FRESH`` ago and a place is free), and while
-it waits for one (asleep in ``poll()`` on the connections and
+each batch's place, and while it waits for one (asleep in ``poll()`` on the connections and
 on ``Shared.publisher_wakeup``, which the I/O thread pokes for what it applied itself: a
 release over ZeroMQ, a consumer that left). Its turn lasts while it waits, and ``HANDOVER``
 after it last read; meanwhile the I/O thread polls no connection for its messages. The
@@ -36,12 +35,6 @@ from .sessions import Sessions
 from .shared import TICK_MS, Shared
 
 HANDOVER = 0.005  # seconds after the publishing thread last read that its turn lasts
-#: A place taken without reading the sessions first, within this long of the last read: while
-#: batches go out back to back, the releases are read when a place is wanted and none is free
-#: (a few at a time), not with a poll() of every session for every batch (20,000 tiny batches,
-#: 1 consumer: 5,089 poll() calls instead of 20,423, ``strace -c``). Liveness is unchanged: at
-#: most this long after a read the next batch reads them all again.
-FRESH = 0.001  # seconds
 
 
 def publisher_turn(shared: Shared) -> bool:
@@ -57,14 +50,13 @@ class SessionTurns:
         self.shared, self.sessions = shared, sessions
         self._poll = select.poll()
         self._version = -1  # the sessions' version _poll was made for
-        self._drained = 0.0  # (monotonic) when drain() last read the sessions
 
     def drain(self) -> bool:
         """Apply what the consumers sent over their sessions (lock held); begins or extends
         the turn. A release that lets a batch go to a consumer on ZeroMQ wakes the I/O thread.
         False while a message left to the I/O thread waits for it (the caller waits too)."""
         shared, sessions = self.shared, self.sessions
-        shared.publisher_at = self._drained = time.monotonic()
+        shared.publisher_at = time.monotonic()
         if self._version != sessions.version:
             self._poll = select.poll()
             self._poll.register(shared.publisher_wakeup.fd, select.POLLIN)
@@ -105,13 +97,8 @@ class SessionTurns:
     def wait(self, reserved: Callable[[], bool], check: Callable[[], None]) -> None:
         """Wait until ``reserved()`` got a batch its place, reading the sessions meanwhile;
         ``check()`` each TICK (it raises to end the wait: the producer closed, say)."""
-        shared, sessions = self.shared, self.sessions
+        shared = self.shared
         try:
-            with shared.changed:
-                now = time.monotonic()
-                if now - self._drained < FRESH and not sessions.stashed and reserved():
-                    shared.publisher_at = now  # (its turn goes on: the I/O thread reads no session)
-                    return
             while True:
                 with shared.changed:
                     shared.publisher_polling = False

@@ -311,7 +311,9 @@ class ShmReader(Reader):
         mm = self._maps.get(place)
         if mm is None:
             mm = self._maps[place] = open_segment(info.name, info.size, self.writable)
-        return np.ndarray((nbytes,), np.uint8, mm)  # (np.frombuffer's twin, ~0.3 us quicker)
+        # (np.frombuffer, not np.ndarray over the mapping, ~0.4 us quicker: that holds no export
+        # of the mapping's buffer, so nothing would stop the mapping closing under the views)
+        return np.frombuffer(mm, dtype=np.uint8, count=nbytes)
 
     def deliver(self, views: Any, copy: bool) -> Any:
         if self.device.type != "cpu":  # one copy, straight from shared memory to the device
