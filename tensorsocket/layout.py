@@ -105,7 +105,7 @@ class _Planner:
     def add(self, dtype: str, shape: tuple[int, ...], nbytes: int, source: Any) -> int:
         self.leaves.append(Leaf(dtype, shape, self.offset, nbytes))
         self.sources.append(source)
-        self.offset = (self.offset + nbytes + ALIGN - 1) // ALIGN * ALIGN  # (_align, inline)
+        self.offset = (self.offset + nbytes + ALIGN - 1) // ALIGN * ALIGN  # (the next aligned offset)
         return len(self.leaves) - 1
 
     def walk(self, node: Any, path: tuple[Any, ...], depth: int) -> Any:

@@ -62,16 +62,12 @@ class CallerTurns:
         the checks that make a wait finite: every TICK, that the I/O thread is alive, and
         ``check()`` (that this consumer is not waiting for a batch it can never get)."""
         shared = self.shared
-        if not shared.queue.empty():  # (not get_nowait() first: raising Empty each batch costs)
-            try:
-                item = shared.queue.get_nowait()
-            except queue.Empty:  # close() from another thread emptied it meanwhile
-                pass
-            else:  # read ahead: if the I/O thread went to sleep long (we were in here), it reads on
-                sleeping = shared.io_sleeping
-                if sleeping.long and sleeping.now and not sleeping.reading:
-                    shared.wakeup.wake()
-                return item
+        item = self._queued()
+        if item is not None:  # read ahead: if the I/O thread went to sleep long, it reads on
+            sleeping = shared.io_sleeping
+            if sleeping.long and sleeping.now and not sleeping.reading:
+                shared.wakeup.wake()
+            return item
         shared.caller_inside = True
         try:
             return self._wait(check)
@@ -81,11 +77,9 @@ class CallerTurns:
     def _wait(self, check: Callable[[], None]) -> tuple[str, Any]:
         shared, checked = self.shared, time.monotonic()
         while True:
-            if not shared.queue.empty():
-                try:
-                    return shared.queue.get_nowait()
-                except queue.Empty:  # (close() from another thread)
-                    pass
+            item = self._queued()
+            if item is not None:
+                return item
             turned = self.turn()
             if turned is None:
                 try:
@@ -104,6 +98,17 @@ class CallerTurns:
                     raise Closed(f"consumer of {self.endpoint} is closed")
                 raise ProducerLost(f"the consumer's I/O thread for {self.endpoint} stopped")
             check()
+
+    def _queued(self) -> tuple[str, Any] | None:
+        """The next queue item, None if there is none (an item is never None). The queue is
+        asked first: raising queue.Empty for every batch cost more than asking."""
+        waiting = self.shared.queue
+        if waiting.empty():
+            return None
+        try:
+            return waiting.get_nowait()
+        except queue.Empty:  # close() from another thread took it meanwhile
+            return None
 
     def turn(self) -> bool | None:
         """Wait at most about TICK for the producer's next message, reading it in this thread.

@@ -51,7 +51,7 @@ class Publisher:
         self.epoch = self.first_seq = 0  # the open epoch and its first entry (only we move the flow's epoch)
         self.loader_iter: Iterator[Any] | None = None
         self.pending: list[Any] = []  # pulled already (a resume's checked batch): published first
-        self.layout = layout_table.LastLayout()  # the last batch's layout, encoded
+        self.last_layout = layout_table.LastLayout()  # the last batch's layout, encoded
         self.replay = Replay(shared, io)  # the batches kept for late joiners (sized at the first batch)
         # resume=True: where to restart from, and the state file; a successor's first epoch
         self.tracker, self.resumed = tracker, resumed
@@ -85,7 +85,7 @@ class Publisher:
         self.started = True
         if self.replay.kept.budget:
             self.replay.check_newest()
-        encoded, key = self.layout.encode(plan)  # (outside the lock: a large layout packs slowly)
+        encoded, key = self.last_layout.encode(plan)  # (outside the lock: a large layout packs slowly)
         t_place = time.perf_counter()
         place, check = self._reserve()
         place_wait = time.perf_counter() - t_place

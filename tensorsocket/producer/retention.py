@@ -71,7 +71,6 @@ class Retention:
         self.max_batches = 0
         self.max_files = max(16, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4)
         self.copies = False  # a kept batch changed after it was published: keep copies from now on
-        self.newest_copy = False  # the newest kept batch is a copy of its place (it cannot change)
         self._kept: collections.deque[Kept] = collections.deque()
         self._by_seq: dict[int, Kept] = {}
         self._bytes = self._files = 0  # of every kept batch
@@ -89,7 +88,6 @@ class Retention:
         """Keep ``kept`` (just published); how many of the newest batches fit the bounds."""
         self._kept.append(kept)
         self._by_seq[kept.seq] = kept
-        self.newest_copy = kept.fingerprint is None
         self._bytes += kept.plan.nbytes
         self._files += kept.files
         count, nbytes, files = len(self._kept), self._bytes, self._files
@@ -107,10 +105,15 @@ class Retention:
             self._bytes -= gone.plan.nbytes
             self._files -= gone.files
 
+    @property
+    def newest_copy(self) -> bool:
+        """The newest kept batch is a copy of its place (ours: it cannot change), or none is kept."""
+        return not self._kept or self._kept[-1].fingerprint is None
+
     def newest_changed(self) -> Kept | None:
         """The newest kept batch, if its bytes are not what was published (checked when the next
         batch was pulled: a loader that reuses its buffer has written the next one there)."""
-        if not self._kept or self._kept[-1].fingerprint is None:
+        if self.newest_copy:
             return None
         newest = self._kept[-1]
         return newest if plan_fingerprint(newest.plan) != newest.fingerprint else None
@@ -120,7 +123,6 @@ class Retention:
         old = self._by_seq[seq]
         self._files -= old.files
         old.plan, old.fingerprint, old.files = flat_plan(copy), None, 0
-        self.newest_copy = self._kept[-1].fingerprint is None
 
 
 def open_files(plan: layout.Plan) -> int:
@@ -207,8 +209,8 @@ class Replay:
         """The newest kept batch, checked now that the next one was pulled: if the loader reused
         its buffer (or the loop changed the batch in place), keep a copy of its place's bytes,
         and copies from now on."""
-        if self.kept.newest_copy:  # (ours: it cannot change; no lock taken for every tiny batch.
-            return  # Only this thread adds or replaces kept batches, and it set this under the lock)
+        if self.kept.newest_copy:  # (nothing to check: no lock taken for every tiny batch. Read
+            return  # unlocked: only this thread adds, replaces or lets go of kept batches)
         shared = self.shared
         with shared.changed:
             changed = self.kept.newest_changed()
