@@ -23,7 +23,10 @@ setup(
     extras_require={
         # (producer/imagefolder_gpu.py also needs torchvision: the build made for your torch, which
         # an unpinned requirement here could replace with another torch, so it is not listed)
+        # CuPy's wheels are built per CUDA major version: take the one your torch was built for
+        # (torch.version.cuda); "gpu" is CUDA 12's
         "gpu": ["cupy-cuda12x>=13", "nvidia-ml-py>=12"],
+        "gpu-cuda13": ["cupy-cuda13x>=14", "nvidia-ml-py>=12"],
         "bench": ["matplotlib>=3.7"],
         "stateful": ["torchdata>=0.10"],  # StatefulDataLoader: restarts resume from its own state
         # tensorsocket.ray: per-node producers on a Ray cluster, trials placed by Ray Tune

@@ -36,7 +36,8 @@ def _runtime() -> Any:
         from cupy.cuda import runtime
     except ImportError as exc:  # pragma: no cover - depends on the installation
         raise RuntimeError(
-            "the cuda transport needs CuPy: pip install 'tensorsocket[gpu]' (cupy-cuda12x or cupy-cuda13x)"
+            "the cuda transport needs CuPy: pip install 'tensorsocket[gpu]' for a torch built for CUDA 12, "
+            "'tensorsocket[gpu-cuda13]' for CUDA 13 (torch.version.cuda says which)"
         ) from exc
     return runtime
 

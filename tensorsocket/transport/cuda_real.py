@@ -112,7 +112,8 @@ class RealBackend:
             )
             raise GpuPathError(
                 f"the cuda transport needs a CUDA GPU: {why}. Install a CUDA build of torch and "
-                "pip install 'tensorsocket[gpu]', or use device='cpu' (host shared memory); "
+                "pip install 'tensorsocket[gpu]' ('tensorsocket[gpu-cuda13]' for CUDA 13), or use device='cpu' "
+                "(host shared memory); "
                 "tests can set TENSORSOCKET_FAKE_CUDA=1 for a CPU stand-in"
             )
         try:
