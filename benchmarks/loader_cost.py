@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.sharing import ROOT, SPAWN, _run, _window_cpu, machine, run, tree_cpu, write
+from benchmarks.sharing import ROOT, SPAWN, _run, _window_cpu, machine, run, tree_cpu, where_cpu_went, write
 from producer.imagefolder import make_dataset, make_loader
 
 MODES = ("single", "model", "shared", "shared-replay0")
@@ -75,25 +75,25 @@ def _model_trainer(root: str, workers: int, epochs: int, step_s: float, readers:
     for pipe in pipes:
         pipe.send_bytes(b"x")
     reader_pids = [done.get(timeout=60) for _ in pipes]
-    out.put({"pid": me, "window": _window_cpu(before, after), "samples": samples,
+    out.put({"pid": me, "cpu_window": _window_cpu(before, after), "samples": samples,
              "samples_per_s": samples / elapsed, "readers": reader_pids})  # fmt: skip
 
 
 def model(root: str, workers: int, epochs: int, step_s: float, readers: int) -> dict[str, float]:
-    """One ``model`` run: CPU ms a batch of its trainer, its readers and the loader's workers."""
+    """One ``model`` run: CPU ms a batch of its trainer, its readers and the loader's workers
+    (:func:`~benchmarks.sharing.where_cpu_went`, the readers counted among its trainers, then
+    taken apart from the trainer)."""
     (report,) = _run([(_model_trainer, (root, workers, epochs, step_s, readers))], 600.0)
-    roles = {"trainer": 0.0, "readers": 0.0, "loader_workers": 0.0}
-    for pid, (ppid, user, system, children) in report["window"].items():
-        if int(pid) == report["pid"]:
-            roles["trainer"] += user + system
-            roles["loader_workers"] += children  # (workers it waited for, gone)
-        elif int(pid) in report["readers"]:
-            roles["readers"] += user + system
-        elif ppid == report["pid"]:
-            roles["loader_workers"] += user + system
-    per_batch = 1000 / (report["samples"] / 32)
-    out = {role: round(seconds * per_batch, 2) for role, seconds in roles.items()}
-    return out | {"samples_per_s": round(report["samples_per_s"], 1)}
+    roles = where_cpu_went([report, *({"pid": pid} for pid in report["readers"])], [])
+    window = report["cpu_window"]
+    reading = sum(window[str(pid)][1] + window[str(pid)][2] for pid in report["readers"])
+    reading_ms = round(reading * 1000 / (report["samples"] / 32), 2)
+    return {
+        "trainer": round(roles["trainers"] - reading_ms, 2),
+        "readers": reading_ms,
+        "loader_workers": roles["loader_workers"],
+        "samples_per_s": round(report["samples_per_s"], 1),
+    }
 
 
 def rounds(
@@ -131,13 +131,14 @@ def rounds(
         }
         for mode in MODES
     }
-    paired = {  # each round's shared workers' CPU over the same round's single / replay=0
-        "workers_shared_over_single": [round(r["shared"]["loader_workers"] / r["single"]["loader_workers"], 3) for r in rows],
-        "workers_shared_over_replay0": [
-            round(r["shared"]["loader_workers"] / r["shared-replay0"]["loader_workers"], 3) for r in rows
-        ],
-        "workers_model_over_single": [round(r["model"]["loader_workers"] / r["single"]["loader_workers"], 3) for r in rows],
-    }  # fmt: skip
+    paired = {  # each round's workers' CPU in one way over the same round's in another
+        f"workers_{name}": [round(r[mode]["loader_workers"] / r[base]["loader_workers"], 3) for r in rows]
+        for name, mode, base in (
+            ("shared_over_single", "shared", "single"),
+            ("shared_over_replay0", "shared", "shared-replay0"),
+            ("model_over_single", "model", "single"),
+        )
+    }
     return {
         "benchmark": "loader_cost",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -150,7 +151,7 @@ def rounds(
             "images": images,
             "batch_size": 32,
             "rounds": count,
-        },  # fmt: skip
+        },
         "medians_cpu_ms_per_batch": medians,
         "paired": paired,
         "exact": all(r[m]["exact"] for r in rows for m in ("shared", "shared-replay0")),
