@@ -7,7 +7,7 @@ in. Two ways of taking the faults, in turn, in one process:
   what ``tensorsocket.transport.shm`` does now (it falls back to the first on older kernels).
 
 Why it matters: with the default replay budget every batch of the first epoch goes to a new
-place, so a short run pays this for each of them (README, "Where issue 18's goals stand").
+place, so a short run pays this for each of them (benchmarks/FINDINGS.md, "Where issue 18's goals stand").
 
     python3 -m benchmarks.new_place [--mib 18.4] [--rounds 30]
     # -> benchmarks/results/new_place-<host>-<date>.json
