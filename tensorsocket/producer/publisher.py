@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .. import layout, layout_table, protocol, sharding
+from .. import layout, layout_table, pooled_collate, protocol, sharding
 from ..errors import Closed, IoThreadDied
 from ..protocol import Kind
 from ..transport.base import Room
@@ -53,6 +53,8 @@ class Publisher:
         self.pending: list[Any] = []  # pulled already (a resume's checked batch): published first
         self.last_layout = layout_table.LastLayout()  # the last batch's layout, encoded
         self.replay = Replay(shared, io)  # the batches kept for late joiners (sized at the first batch)
+        self.reclaimer = pooled_collate.Reclaimer()  # the loader's workers' buffers we may hand back
+        self.pooled = False  # this epoch's loader collates into them (pooled_collate.installed)
         # resume=True: where to restart from, and the state file; a successor's first epoch
         self.tracker, self.resumed = tracker, resumed
         self.expected: dict[tuple[int, int], int] = {}  # a successor's batches published before
@@ -72,6 +74,8 @@ class Publisher:
             self.wait(self._may_start, None, f"{self.min_consumers} consumer(s) to join")
         t0 = time.perf_counter()
         assert self.loader_iter is not None
+        if len(self.reclaimer):  # (the batch before is written, and maybe dropped by our caller)
+            self.reclaimer.reclaim()
         try:
             batch = self.pending.pop() if self.pending else next(self.loader_iter)
         except StopIteration:
@@ -79,6 +83,8 @@ class Publisher:
             raise
         t1 = time.perf_counter()
         plan = layout.plan(batch)
+        if self.pooled:
+            self.reclaimer.track(plan.sources)
         content = self._check_content(plan)
         if not self.started:
             self.replay.size(plan, check_window_fits(shared, plan.nbytes))
@@ -227,7 +233,8 @@ class Publisher:
             with self.shared.changed:
                 where = self._restart_where()
             self.tracker.save(*where, force=True)
-        self.loader_iter = sharding.open_epoch(loader, epoch)
+        with pooled_collate.installed(loader) as self.pooled:  # (workers keep the collate they start with)
+            self.loader_iter = sharding.open_epoch(loader, epoch)
         self.index = 0
         if self.tracker is not None:
             self.tracker.epoch_iterating(epoch)

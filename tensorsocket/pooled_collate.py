@@ -1,0 +1,232 @@
+"""DataLoader workers that collate into shared memory they reuse, instead of a new segment a batch.
+
+Why: torch's ``default_collate`` makes every batch a worker builds in a new shared-memory
+segment, which the main process maps, reads and frees. For a 19 MB image batch on the 2-core
+VM, filling the fresh pages cost the workers ~17 ms a batch and mapping and freeing them cost
+the main process ~6 ms (``benchmarks.pooled_collate``). A plain training loop cannot avoid it:
+only the loop knows when it has let go of a batch. The producer does know, so it installs
+:class:`PooledCollate` in the DataLoader it serves (:func:`installed`) and tells the workers,
+through :class:`Reclaimer`, which buffers they may fill again.
+
+How a buffer changes hands, with no lock and nothing but the buffer itself shared:
+
+* A pooled buffer is one shared-memory tensor of bytes: a 256-byte header (a magic number,
+  and one 64-bit word, the *claim*), then the leaf. A worker fills only a buffer of its own
+  whose claim is 0: it first stores 1 into the claim, then stacks the samples after the
+  header, and the batch goes out as usual.
+* The main process, given each batch it pulled (once: :meth:`Reclaimer.track`), notes each
+  pooled storage. Later (:meth:`Reclaimer.reclaim`), a noted storage that nothing else
+  references any more (its C++ use count is the Reclaimer's own two references) goes back
+  to its worker: the main process stores 0 into the claim, once, and waits for the buffer
+  to come back in a batch before it may hand it back again.
+* So each claim has one writer at a time: the worker while it is 0, the main process from
+  the batch's arrival until it hands the buffer back; and a batch on its way, filled after
+  the hand-back, cannot be handed back before it has arrived and been dropped.
+
+Batches are bit-identical to ``default_collate``'s (the same ``torch.stack`` into shared
+memory; only where the memory comes from differs). Anything but a large dense CPU tensor,
+a worker with no free buffer that may not make another, or no Reclaimer at all: the batch
+is collated by torch's own code, as before.
+
+How many buffers: a worker makes a new one only when none of its own is free, up to
+``buffers`` for each leaf it pools (the producer: the loader's ``prefetch_factor`` + 2, its
+batches in flight, the one being published and the one its caller still holds), and only
+while ``/dev/shm`` keeps at least half its size free after it (Docker's 64 MiB default: a
+pool never takes the room the producer's places need). So it holds what ``default_collate``
+would have had in use at once, for the loader's life instead of freed and made again. Not
+more: batches the producer keeps for late joiners (its replay budget holds them by
+reference) keep their buffers, and a pool that grew to hold them all cost the workers more
+than it saved (``benchmarks/FINDINGS.md``, *The loader's workers collating into reused
+memory*).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, get_worker_info
+from torch.utils.data._utils.collate import (
+    collate,
+    collate_tensor_fn,
+    default_collate,
+    default_collate_fn_map,
+)
+
+__all__ = ["PooledCollate", "Reclaimer", "installed"]
+
+HEADER = 256  # bytes before the leaf: keeps the leaf 256-byte aligned, as our places do
+MAGIC = (0x54536F636B65742D, 0x506F6F6C65644231)  # "TSocket-", "PooledB1" (an unlikely pair)
+SHM = "/dev/shm"  # where torch's shared memory (shm_open) lives
+MIN_BYTES = 1 << 20  # smaller leaves are cheap to make afresh: not worth a buffer
+_CLAIM = 2  # the claim's index among the header's 64-bit words
+_OWN_REFS = 2  # a tracked storage's references held by the Reclaimer: the storage and its header view
+_STALE = 64  # reclaims after which a buffer handed back but not seen again is let go
+
+
+class PooledCollate:
+    """A DataLoader ``collate_fn``: ``default_collate``, except that in a worker each large
+    dense CPU tensor leaf is stacked into one of that worker's reused buffers.
+
+    ``buffers``: at most how many a worker keeps for each leaf it pools (None: as many as it
+    needs, while ``/dev/shm`` has room). Outside a worker (``num_workers=0``) it is
+    ``default_collate``.
+    """
+
+    def __init__(self, buffers: int | None = None, min_bytes: int = MIN_BYTES) -> None:
+        if buffers is not None and (type(buffers) is not int or buffers < 1):
+            raise ValueError(f"buffers must be None or an int >= 1, got {buffers!r}")
+        if type(min_bytes) is not int or min_bytes < 0:
+            raise ValueError(f"min_bytes must be an int >= 0, got {min_bytes!r}")
+        self.buffers, self.min_bytes = buffers, min_bytes
+        self._pool: list[tuple[torch.Tensor, Any]] = []  # a worker's: (buffer, its claim as a NumPy view)
+        self._claimed: list[Any] = []  # the claims taken for the batch being collated
+        self._leaves = 0  # the most leaves one batch pooled so far
+        self._fn_map = {**default_collate_fn_map, torch.Tensor: self._collate_tensor}
+
+    def __getstate__(self) -> dict[str, Any]:  # (sent to spawned workers: a fresh, empty pool)
+        return {"buffers": self.buffers, "min_bytes": self.min_bytes}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["buffers"], state["min_bytes"])  # type: ignore[misc]
+
+    def __call__(self, samples: list[Any]) -> Any:
+        if get_worker_info() is None:
+            return default_collate(samples)
+        self._claimed.clear()
+        try:
+            batch = collate(samples, collate_fn_map=self._fn_map)
+            self._leaves = max(self._leaves, len(self._claimed))
+            return batch
+        except BaseException:
+            for claim in self._claimed:  # not sent: the buffers are free again
+                claim[0] = 0
+            raise
+        finally:
+            self._claimed.clear()
+
+    def _collate_tensor(self, batch: list[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
+        elem = batch[0]
+        nbytes = sum(x.numel() for x in batch) * elem.element_size()
+        if (
+            nbytes < self.min_bytes
+            or elem.layout is not torch.strided
+            or elem.is_nested
+            or elem.device.type != "cpu"
+            or any(x.shape != elem.shape for x in batch)  # (torch.stack's error, from torch's own path)
+        ):
+            return collate_tensor_fn(batch)
+        buffer = self._take(nbytes)
+        if buffer is None:
+            return collate_tensor_fn(batch)
+        out = buffer[HEADER : HEADER + nbytes].view(elem.dtype).view(len(batch), *elem.shape)
+        return torch.stack(batch, 0, out=out)
+
+    def _take(self, nbytes: int) -> torch.Tensor | None:
+        """This worker's smallest free buffer with room for ``nbytes``, claimed; else a new one
+        if the pool may grow; else None. (A free buffer too small for this leaf stays for a
+        smaller one: replacing it would make two sizes of leaf take turns in making buffers.)"""
+        fits = None
+        for i, (buffer, claim) in enumerate(self._pool):
+            if claim[0] == 0 and buffer.numel() >= HEADER + nbytes:
+                if fits is None or buffer.numel() < self._pool[fits][0].numel():
+                    fits = i
+        if fits is not None:
+            return self._claim(*self._pool[fits])
+        if not self._may_grow(nbytes):
+            return None
+        buffer = torch.empty(HEADER + nbytes, dtype=torch.uint8).share_memory_()
+        header = buffer[:HEADER].view(torch.int64)
+        header[0], header[1], header[_CLAIM] = MAGIC[0], MAGIC[1], 0
+        entry = (buffer, header[_CLAIM : _CLAIM + 1].numpy())
+        self._pool.append(entry)
+        return self._claim(*entry)
+
+    def _may_grow(self, nbytes: int) -> bool:
+        if self.buffers is not None and len(self._pool) >= self.buffers * max(
+            self._leaves, len(self._claimed) + 1
+        ):
+            return False  # (the count is per pooled leaf)
+        try:
+            shm = os.statvfs(SHM)
+        except OSError:
+            return False
+        return (shm.f_bavail * shm.f_frsize - HEADER - nbytes) * 2 >= shm.f_blocks * shm.f_frsize
+
+    def _claim(self, buffer: torch.Tensor, claim: Any) -> torch.Tensor:
+        claim[0] = 1  # (one aligned 64-bit store, before the leaf is written)
+        self._claimed.append(claim)
+        return buffer
+
+
+class Reclaimer:
+    """The main process's side: hands a pooled buffer back to its worker once every batch
+    made from it has been dropped. Used from one thread (the producer's publishing thread)."""
+
+    def __init__(self) -> None:
+        # storage's data_ptr -> [storage, header (int64 view), reclaims since handed back, or None]
+        self._held: dict[int, list[Any]] = {}
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def track(self, leaves: Any) -> None:
+        """Note the pooled storages among ``leaves`` (tensors and arrays of a pulled batch)."""
+        for leaf in leaves:
+            if not isinstance(leaf, torch.Tensor) or leaf.storage_offset() * leaf.element_size() < HEADER:
+                continue
+            storage = leaf.untyped_storage()
+            header = torch.empty(0, dtype=torch.int64).set_(storage, 0, (HEADER // 8,))
+            if int(header[0]) != MAGIC[0] or int(header[1]) != MAGIC[1]:
+                continue
+            self._held[storage.data_ptr()] = [storage, header, None]
+
+    def reclaim(self) -> int:
+        """Hand back every tracked buffer nothing else references; let go of buffers handed
+        back long ago and not seen since (their worker is gone, or keeps others). Returns how
+        many were handed back."""
+        handed = 0
+        for key, entry in list(self._held.items()):
+            storage, header, since = entry
+            if since is not None:
+                entry[2] = since + 1
+                if since >= _STALE:
+                    del self._held[key]
+            elif torch._C._storage_Use_Count(storage._cdata) == _OWN_REFS:
+                header[_CLAIM] = 0
+                entry[2] = 0
+                handed += 1
+        return handed
+
+    def clear(self) -> None:
+        self._held.clear()
+
+
+def eligible(loader: Any) -> bool:
+    """Whether :func:`installed` would pool ``loader``'s batches: a DataLoader with worker
+    processes and torch's own ``default_collate``, and no ``pin_memory`` (its thread copies
+    each batch and drops it unseen: no buffer would ever come back)."""
+    return (
+        isinstance(loader, DataLoader)
+        and loader.num_workers > 0
+        and loader.collate_fn is default_collate
+        and not loader.pin_memory
+    )
+
+
+@contextlib.contextmanager
+def installed(loader: Any) -> Iterator[bool]:
+    """Within the block, an :func:`eligible` ``loader`` collates with :class:`PooledCollate`
+    (create its iterator here: its workers keep the collate they started with); the
+    loader's own ``collate_fn`` is back afterwards. Yields whether it was installed."""
+    if not eligible(loader):
+        yield False
+        return
+    loader.collate_fn = PooledCollate(buffers=(loader.prefetch_factor or 2) + 2)
+    try:
+        yield True
+    finally:
+        loader.collate_fn = default_collate
