@@ -29,15 +29,15 @@ a worker with no free buffer that may not make another, or no Reclaimer at all: 
 is collated by torch's own code, as before.
 
 How many buffers: a worker makes a new one only when none of its own is free, up to
-``buffers`` for each leaf it pools (the producer: the loader's ``prefetch_factor`` + 2, its
-batches in flight, the one being published and the one its caller still holds), and only
-while ``/dev/shm`` keeps at least half its size free after it (Docker's 64 MiB default: a
-pool never takes the room the producer's places need). So it holds what ``default_collate``
-would have had in use at once, for the loader's life instead of freed and made again. Not
-more: batches the producer keeps for late joiners (its replay budget holds them by
-reference) keep their buffers, and a pool that grew to hold them all cost the workers more
-than it saved (``benchmarks/FINDINGS.md``, *The loader's workers collating into reused
-memory*).
+``buffers`` for each leaf it pools, and only while ``/dev/shm`` keeps at least half its size
+free after it (Docker's 64 MiB default: a pool never takes the room the producer's places
+need). The producer allows the loader's ``prefetch_factor`` + 2 (its batches in flight, the
+one being published and the one its caller still holds) plus each worker's share of the
+batches its replay budget keeps, which hold their buffers (by reference) until they are let
+go: so a pool holds at most what ``default_collate`` would have had in use at once, for the
+loader's life instead of freed and made again. (Capped at ``prefetch_factor`` + 2 alone, the
+kept batches took every buffer and most batches were made afresh: ``benchmarks/FINDINGS.md``,
+*The loader's workers collating into reused memory*.)
 """
 
 from __future__ import annotations
@@ -71,27 +71,42 @@ class PooledCollate:
     """A DataLoader ``collate_fn``: ``default_collate``, except that in a worker each large
     dense CPU tensor leaf is stacked into one of that worker's reused buffers.
 
-    ``buffers``: at most how many a worker keeps for each leaf it pools (None: as many as it
-    needs, while ``/dev/shm`` has room). Outside a worker (``num_workers=0``) it is
+    ``buffers``: at most how many a worker keeps for each leaf it pools; :meth:`allow`
+    changes it, for workers already running too. Outside a worker (``num_workers=0``) it is
     ``default_collate``.
     """
 
-    def __init__(self, buffers: int | None = None, min_bytes: int = MIN_BYTES) -> None:
-        if buffers is not None and (type(buffers) is not int or buffers < 1):
-            raise ValueError(f"buffers must be None or an int >= 1, got {buffers!r}")
+    def __init__(
+        self, buffers: int = 4, min_bytes: int = MIN_BYTES, *, _limit: torch.Tensor | None = None
+    ) -> None:
+        if type(buffers) is not int or buffers < 1:
+            raise ValueError(f"buffers must be an int >= 1, got {buffers!r}")
         if type(min_bytes) is not int or min_bytes < 0:
             raise ValueError(f"min_bytes must be an int >= 0, got {min_bytes!r}")
-        self.buffers, self.min_bytes = buffers, min_bytes
+        self.min_bytes = min_bytes
+        # the limit, in shared memory: one word the workers read (forked or spawned with it)
+        self._limit = torch.tensor([buffers], dtype=torch.int64).share_memory_() if _limit is None else _limit
+        self._limit_word = self._limit.numpy()
         self._pool: list[tuple[torch.Tensor, Any]] = []  # a worker's: (buffer, its claim as a NumPy view)
         self._claimed: list[Any] = []  # the claims taken for the batch being collated
         self._leaves = 0  # the most leaves one batch pooled so far
         self._fn_map = {**default_collate_fn_map, torch.Tensor: self._collate_tensor}
 
+    @property
+    def buffers(self) -> int:
+        return int(self._limit_word[0])
+
+    def allow(self, buffers: int) -> None:
+        """Let each worker keep up to ``buffers`` a leaf from now on (running ones too)."""
+        if type(buffers) is not int or buffers < 1:
+            raise ValueError(f"buffers must be an int >= 1, got {buffers!r}")
+        self._limit_word[0] = buffers
+
     def __getstate__(self) -> dict[str, Any]:  # (sent to spawned workers: a fresh, empty pool)
-        return {"buffers": self.buffers, "min_bytes": self.min_bytes}
+        return {"limit": self._limit, "min_bytes": self.min_bytes}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["buffers"], state["min_bytes"])  # type: ignore[misc]
+        self.__init__(1, state["min_bytes"], _limit=state["limit"])  # type: ignore[misc]
 
     def __call__(self, samples: list[Any]) -> Any:
         if get_worker_info() is None:
@@ -146,9 +161,7 @@ class PooledCollate:
         return self._claim(*entry)
 
     def _may_grow(self, nbytes: int) -> bool:
-        if self.buffers is not None and len(self._pool) >= self.buffers * max(
-            self._leaves, len(self._claimed) + 1
-        ):
+        if len(self._pool) >= self._limit_word[0] * max(self._leaves, len(self._claimed) + 1):
             return False  # (the count is per pooled leaf)
         try:
             shm = os.statvfs(SHM)
@@ -217,15 +230,29 @@ def eligible(loader: Any) -> bool:
     )
 
 
+def for_loader(loader: Any) -> PooledCollate | None:
+    """The collate a producer installs in ``loader`` (None if not :func:`eligible`): up to
+    ``prefetch_factor`` + 2 buffers a leaf, its batches in flight, the one being published
+    and the one the producer's caller still holds (see :func:`keeping` for more)."""
+    return PooledCollate(buffers=(loader.prefetch_factor or 2) + 2) if eligible(loader) else None
+
+
+def keeping(collate: PooledCollate, loader: Any, batches: int) -> None:
+    """The producer keeps up to ``batches`` of the loader's batches for late joiners: let
+    each worker keep its share of them in buffers too, beside those :func:`for_loader` gave."""
+    workers = max(loader.num_workers, 1)
+    collate.allow((loader.prefetch_factor or 2) + 2 + -(-max(batches, 0) // workers))
+
+
 @contextlib.contextmanager
-def installed(loader: Any) -> Iterator[bool]:
-    """Within the block, an :func:`eligible` ``loader`` collates with :class:`PooledCollate`
-    (create its iterator here: its workers keep the collate they started with); the
-    loader's own ``collate_fn`` is back afterwards. Yields whether it was installed."""
-    if not eligible(loader):
+def installed(loader: Any, collate: PooledCollate | None) -> Iterator[bool]:
+    """Within the block, an :func:`eligible` ``loader`` collates with ``collate`` (create its
+    iterator here: its workers keep the collate they started with); the loader's own
+    ``collate_fn`` is back afterwards. Yields whether it was installed."""
+    if collate is None or not eligible(loader):
         yield False
         return
-    loader.collate_fn = PooledCollate(buffers=(loader.prefetch_factor or 2) + 2)
+    loader.collate_fn = collate
     try:
         yield True
     finally:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from tensorsocket.pooled_collate import MAGIC, PooledCollate, Reclaimer, installed
+from tensorsocket.pooled_collate import MAGIC, PooledCollate, Reclaimer, for_loader, installed
 
 from .support import SPAWN, same, serving, unique_name
 
@@ -150,7 +150,7 @@ def test_bad_arguments_are_refused(buffers: Any, min_bytes: Any) -> None:
 
 def test_installed_only_for_a_dataloader_with_workers_and_default_collate() -> None:
     plain = DataLoader(Frames(), batch_size=BATCH, num_workers=2, prefetch_factor=3)
-    with installed(plain) as on:
+    with installed(plain, for_loader(plain)) as on:
         assert on and isinstance(plain.collate_fn, PooledCollate) and plain.collate_fn.buffers == 5
     assert plain.collate_fn is default_collate  # the loader is left as it was
     for other in (
@@ -161,7 +161,8 @@ def test_installed_only_for_a_dataloader_with_workers_and_default_collate() -> N
         [1, 2, 3],
     ):
         before = getattr(other, "collate_fn", None)
-        with installed(other) as on:
+        assert for_loader(other) is None
+        with installed(other, PooledCollate()) as on:
             assert not on
         assert getattr(other, "collate_fn", None) is before
 
@@ -179,14 +180,28 @@ def _consume(name: str, epochs: int, results: Any) -> None:
     results.put({"pid": os.getpid(), "bad": bad, "count": count})
 
 
-def test_a_producer_hands_its_loaders_buffers_back_and_every_batch_arrives_intact() -> None:
+def test_a_raised_limit_reaches_workers_already_running() -> None:
+    reclaimer, data = Reclaimer(), loader("spawn", buffers=1)
+    kept: list[Any] = []
+    assert iterate(data, reclaimer, 1, keep=kept) == []
+    first = set().union(*(pooled_storages(b) for _, b in kept))
+    assert 0 < len(first) <= 4  # 2 workers x 1 buffer x 2 leaves, all held
+    data.collate_fn.allow(3)
+    assert iterate(data, reclaimer, 1, keep=kept) == []  # (the first epoch's still held)
+    assert [i for i, b in kept if not same(b, expected(i))] == []
+    more = set().union(*(pooled_storages(b) for _, b in kept)) - first
+    assert 0 < len(more) <= 8  # each worker made 2 more a leaf: 3 in all
+
+
+@pytest.mark.parametrize("replay", [0, None])
+def test_a_producer_hands_its_loaders_buffers_back_and_every_batch_arrives_intact(replay: int | None) -> None:
     from tensorsocket import Producer
 
     data = DataLoader(Frames(), batch_size=BATCH, num_workers=2, persistent_workers=True)
     name, epochs = unique_name("pool"), 3
     results = SPAWN.Queue()
     procs = [SPAWN.Process(target=_consume, args=(name, epochs, results)) for _ in range(2)]
-    producer = Producer(data, name=name, slots=2, replay=0, min_consumers=2)
+    producer = Producer(data, name=name, slots=2, replay=replay, min_consumers=2)
     with producer:
         for p in procs:
             p.start()
@@ -195,9 +210,13 @@ def test_a_producer_hands_its_loaders_buffers_back_and_every_batch_arrives_intac
             thread.join(60)
         assert errors == []
         reclaimer = producer._publisher.reclaimer
-        # 2 workers x (prefetch 2 + the batch being published + the one its caller holds), give
-        # or take one: the pool grows only to what is held at once (1 pooled leaf: the images)
-        assert 0 < len(reclaimer) <= 2 * 5
+        # 2 workers x (prefetch 2 + the batch being published + the one its caller holds): the
+        # pool grows only to what is held at once (1 pooled leaf: the images); with the default
+        # replay budget, which keeps an epoch (12 batches), by up to 6 more a worker
+        if replay == 0:
+            assert 0 < len(reclaimer) <= 2 * 4
+        else:
+            assert 2 * 4 < len(reclaimer) <= 2 * (4 + 6)
     for p in procs:
         p.join(30)
     assert data.collate_fn is default_collate

@@ -54,6 +54,8 @@ class Publisher:
         self.last_layout = layout_table.LastLayout()  # the last batch's layout, encoded
         self.replay = Replay(shared, io)  # the batches kept for late joiners (sized at the first batch)
         self.reclaimer = pooled_collate.Reclaimer()  # the loader's workers' buffers we may hand back
+        self.collate: pooled_collate.PooledCollate | None = None  # the one we install in the loader
+        self.loader: Any = None  # the loader of the open epoch
         self.pooled = False  # this epoch's loader collates into them (pooled_collate.installed)
         # resume=True: where to restart from, and the state file; a successor's first epoch
         self.tracker, self.resumed = tracker, resumed
@@ -88,6 +90,8 @@ class Publisher:
         content = self._check_content(plan)
         if not self.started:
             self.replay.size(plan, check_window_fits(shared, plan.nbytes))
+            if self.collate is not None:  # (the batches kept hold their buffers)
+                pooled_collate.keeping(self.collate, self.loader, shared.replay_batches)
         self.started = True
         if self.replay.kept.budget:
             self.replay.check_newest()
@@ -233,7 +237,10 @@ class Publisher:
             with self.shared.changed:
                 where = self._restart_where()
             self.tracker.save(*where, force=True)
-        with pooled_collate.installed(loader) as self.pooled:  # (workers keep the collate they start with)
+        if self.collate is None:  # (one for every epoch: a persistent loader's workers keep the first)
+            self.collate = pooled_collate.for_loader(loader)
+        self.loader = loader
+        with pooled_collate.installed(loader, self.collate) as self.pooled:
             self.loader_iter = sharding.open_epoch(loader, epoch)
         self.index = 0
         if self.tracker is not None:
