@@ -8,7 +8,7 @@ only the loop knows when it has let go of a batch. The producer does know, so it
 :class:`PooledCollate` in the DataLoader it serves (:func:`installed`) and tells the workers,
 through :class:`Reclaimer`, which buffers they may fill again.
 
-How a buffer changes hands, with no lock and nothing but the buffer itself shared:
+How a buffer changes hands, with no lock: its state is one word in the buffer itself.
 
 * A pooled buffer is one shared-memory tensor of bytes: a 256-byte header (a magic number,
   and one 64-bit word, the *claim*), then the leaf. A worker fills only a buffer of its own

@@ -208,20 +208,21 @@ def test_a_producer_hands_its_loaders_buffers_back_and_every_batch_arrives_intac
         with serving(producer, epochs) as (thread, errors):
             reports = [results.get(timeout=120) for _ in procs]
             thread.join(60)
-        assert errors == []
-        reclaimer = producer._publisher.reclaimer
+        assert errors == [], errors
+        reclaimer, publisher = producer._publisher.reclaimer, producer._publisher
+        seen = (len(reclaimer), publisher.collate.buffers, producer._shared.replay_batches, reports)
         # 2 workers x (prefetch 2 + the batch being published + the one its caller holds): the
         # pool grows only to what is held at once (1 pooled leaf: the images); with the default
         # replay budget, which keeps an epoch (12 batches), by up to 6 more a worker
         if replay == 0:
-            assert 0 < len(reclaimer) <= 2 * 4
+            assert 0 < len(reclaimer) <= 2 * 4, seen
         else:
-            assert 2 * 4 < len(reclaimer) <= 2 * (4 + 6)
+            assert 2 * 4 < len(reclaimer) <= 2 * (4 + 6), seen
     for p in procs:
         p.join(30)
     assert data.collate_fn is default_collate
-    assert [r["bad"] for r in reports] == [[], []]
-    assert [r["count"] for r in reports] == [epochs * SAMPLES // BATCH] * 2
+    assert [r["bad"] for r in reports] == [[], []], reports
+    assert [r["count"] for r in reports] == [epochs * SAMPLES // BATCH] * 2, reports
 
 
 SMALL_SHM = """\
