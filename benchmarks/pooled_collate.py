@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from benchmarks.sharing import ROOT, SPAWN, machine, tree_cpu, write
+from benchmarks.sharing import ROOT, SPAWN, _window_cpu, machine, tree_cpu, write
 from producer.imagefolder import make_dataset, make_loader
-from tensorsocket.pooled_collate import Reclaimer, installed
+from tensorsocket.pooled_collate import Reclaimer, for_loader, installed
 
 WAYS = ("default", "pooled")
 
@@ -40,12 +40,12 @@ WAYS = ("default", "pooled")
 def _loop(root: str, way: str, epochs: int, step_s: float, out: Any) -> None:
     torch.set_num_threads(1)
     loader = make_loader(root, batch_size=32, num_workers=2)
-    reclaimer = Reclaimer()
+    reclaimer, collate = Reclaimer(), for_loader(loader)  # (as a producer makes it, with replay=0)
     staging, batches, sums = None, 0, []
     start, before, me = None, {}, os.getpid()
     for _ in range(epochs):
         if way == "pooled":
-            with installed(loader):
+            with installed(loader, collate):
                 it = iter(loader)
         else:
             it = iter(loader)
@@ -67,16 +67,13 @@ def _loop(root: str, way: str, epochs: int, step_s: float, out: Any) -> None:
             reclaimer.reclaim()
             time.sleep(step_s)
     seconds = time.perf_counter() - start
-    after = tree_cpu(me)
-
-    def spent(pid: int) -> float:
-        b = before.get(pid, [0, 0.0, 0.0, 0.0])
-        return after[pid][1] + after[pid][2] - b[1] - b[2]
-
-    workers = sum(spent(pid) for pid in after if pid != me)
+    spent = {
+        int(pid): user + system for pid, (_, user, system, _) in _window_cpu(before, tree_cpu(me)).items()
+    }
+    workers = sum(cpu for pid, cpu in spent.items() if pid != me)
     out.put({
         "way": way, "batches": batches, "batches_per_s": round(batches / seconds, 2),
-        "workers_ms": round(1000 * workers / batches, 2), "main_ms": round(1000 * spent(me) / batches, 2),
+        "workers_ms": round(1000 * workers / batches, 2), "main_ms": round(1000 * spent[me] / batches, 2),
         "checksum": hash(tuple(sums)), "buffers_tracked": len(reclaimer),
     })  # fmt: skip
 

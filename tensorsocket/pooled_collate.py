@@ -214,9 +214,6 @@ class Reclaimer:
                 handed += 1
         return handed
 
-    def clear(self) -> None:
-        self._held.clear()
-
 
 def eligible(loader: Any) -> bool:
     """Whether :func:`installed` would pool ``loader``'s batches: a DataLoader with worker
@@ -234,14 +231,20 @@ def for_loader(loader: Any) -> PooledCollate | None:
     """The collate a producer installs in ``loader`` (None if not :func:`eligible`): up to
     ``prefetch_factor`` + 2 buffers a leaf, its batches in flight, the one being published
     and the one the producer's caller still holds (see :func:`keeping` for more)."""
-    return PooledCollate(buffers=(loader.prefetch_factor or 2) + 2) if eligible(loader) else None
+    return PooledCollate(buffers=_in_use(loader)) if eligible(loader) else None
 
 
 def keeping(collate: PooledCollate, loader: Any, batches: int) -> None:
     """The producer keeps up to ``batches`` of the loader's batches for late joiners: let
     each worker keep its share of them in buffers too, beside those :func:`for_loader` gave."""
     workers = max(loader.num_workers, 1)
-    collate.allow((loader.prefetch_factor or 2) + 2 + -(-max(batches, 0) // workers))
+    collate.allow(_in_use(loader) + -(-max(batches, 0) // workers))
+
+
+def _in_use(loader: Any) -> int:
+    """A worker's batches in use at once besides kept ones: ``prefetch_factor`` in flight,
+    the one being published and the one the producer's caller still holds."""
+    return (loader.prefetch_factor or 2) + 2
 
 
 @contextlib.contextmanager
