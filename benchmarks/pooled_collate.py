@@ -23,9 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import statistics
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -78,8 +80,23 @@ def _loop(root: str, way: str, epochs: int, step_s: float, out: Any) -> None:
     })  # fmt: skip
 
 
-def rounds(count: int, epochs: int, step_ms: float, images: int = 1024) -> dict[str, Any]:
-    root = str(make_dataset(ROOT / "data" / f"jpeg-{images}", count=images))
+def _report(out: Any, proc: Any, way: str, timeout: float = 600.0) -> dict[str, Any]:
+    """The run's report; a run that died first fails at once, naming itself (no 10-minute wait)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return out.get(timeout=1.0)
+        except queue.Empty:
+            if not proc.is_alive():
+                raise RuntimeError(f"the {way!r} run exited with {proc.exitcode} before reporting") from None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the {way!r} run did not report within {timeout:.0f} s") from None
+
+
+def rounds(
+    count: int, epochs: int, step_ms: float, images: int = 1024, data: Path | None = None
+) -> dict[str, Any]:
+    root = str(make_dataset(data or ROOT / "data" / f"jpeg-{images}", count=images))
     rows = []
     for i in range(count):
         row = {}
@@ -87,7 +104,7 @@ def rounds(count: int, epochs: int, step_ms: float, images: int = 1024) -> dict[
             out = SPAWN.Queue()
             p = SPAWN.Process(target=_loop, args=(root, way, epochs, step_ms / 1000, out))
             p.start()
-            row[way] = out.get(timeout=600)
+            row[way] = _report(out, p, way)
             p.join(60)
         print(json.dumps(row), flush=True)
         rows.append(row)
