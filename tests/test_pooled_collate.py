@@ -137,6 +137,51 @@ def test_a_view_of_a_batch_keeps_its_buffer() -> None:
     assert torch.equal(crop, want)
 
 
+def test_a_held_storage_object_keeps_its_buffer() -> None:
+    """The batch's storage object itself, not a tensor: it holds no reference of its own in
+    torch's count, only in Python's."""
+    reclaimer, data = Reclaimer(), loader(buffers=1)
+    it = iter(data)
+    first = next(it)
+    reclaimer.track(first.values())
+    image = first["image"]
+    storage, offset, shape, want = image.untyped_storage(), image.storage_offset(), image.shape, image.clone()
+    del first, image
+    assert reclaimer.reclaim() == 1  # (the uint8 array's buffer: nothing references it)
+    for batch in it:
+        reclaimer.track(batch.values())
+        del batch
+        reclaimer.reclaim()
+    assert torch.equal(torch.empty(0).set_(storage, offset, shape), want)
+
+
+def test_buffers_of_batches_discarded_by_an_epoch_left_early_are_taken_back() -> None:
+    """A persistent worker's batches on their way when an epoch is left early are dropped by
+    torch when the next epoch starts, unseen: their buffers must not stay claimed for good."""
+    data = DataLoader(Frames(), batch_size=BATCH, num_workers=2, persistent_workers=True)
+    collate, reclaimer = for_loader(data), Reclaimer()  # 4 a worker for the image, the one pooled leaf
+    bad, pooled, storages = [], [], set()
+    for epoch in range(8):
+        with installed(data, collate):
+            batches = iter(data)
+        pooled.append(0)
+        for index, batch in enumerate(batches):
+            reclaimer.track(batch.values())
+            if not same(batch, expected(index)):
+                bad.append((epoch, index))
+            pooled[-1] += bool(pooled_storages(batch))
+            storages |= pooled_storages(batch)
+            del batch
+            reclaimer.reclaim()
+            if epoch < 7 and index == 1:
+                break  # left early: the batches on their way are discarded at the next iter()
+    assert bad == []
+    assert len(storages) <= 2 * 4, storages
+    # the last epoch, in full: most of its 12 batches still pooled (a worker may still be
+    # making a discarded batch when the epoch changes: that buffer comes back one epoch later)
+    assert pooled[-1] >= 6, pooled
+
+
 def test_no_worker_processes_collate_as_torch_does() -> None:
     batch = PooledCollate(min_bytes=0)([Frames()[i] for i in range(BATCH)])  # (in this process)
     assert same(batch, expected(0)) and pooled_storages(batch) == set()
@@ -193,11 +238,13 @@ def test_a_raised_limit_reaches_workers_already_running() -> None:
     assert 0 < len(more) <= 8  # each worker made 2 more a leaf: 3 in all
 
 
-@pytest.mark.parametrize("replay", [0, None])
-def test_a_producer_hands_its_loaders_buffers_back_and_every_batch_arrives_intact(replay: int | None) -> None:
+@pytest.mark.parametrize("replay,persistent", [(0, True), (None, True), (0, False)])
+def test_a_producer_hands_its_loaders_buffers_back_and_every_batch_arrives_intact(
+    replay: int | None, persistent: bool
+) -> None:
     from tensorsocket import Producer
 
-    data = DataLoader(Frames(), batch_size=BATCH, num_workers=2, persistent_workers=True)
+    data = DataLoader(Frames(), batch_size=BATCH, num_workers=2, persistent_workers=persistent)
     name, epochs = unique_name("pool"), 3
     results = SPAWN.Queue()
     procs = [SPAWN.Process(target=_consume, args=(name, epochs, results)) for _ in range(2)]
@@ -209,13 +256,15 @@ def test_a_producer_hands_its_loaders_buffers_back_and_every_batch_arrives_intac
             reports = [results.get(timeout=120) for _ in procs]
             thread.join(60)
         assert errors == [], errors
-        reclaimer, publisher = producer._publisher.reclaimer, producer._publisher
-        seen = (len(reclaimer), publisher.collate.buffers, producer._shared.replay_batches, reports)
+        pool = producer._publisher.pool
+        reclaimer = pool.reclaimer
+        seen = (len(reclaimer), pool.collate.buffers, producer._shared.replay_batches, reports)
         # 2 workers x (prefetch 2 + the batch being published + the one its caller holds): the
         # pool grows only to what is held at once (1 pooled leaf: the images); with the default
         # replay budget, which keeps an epoch (12 batches), by up to 6 more a worker
-        if replay == 0:
-            assert 0 < len(reclaimer) <= 2 * 4, seen
+        if replay == 0:  # (workers that are not persistent: new pools each epoch, the old ones
+            # forgotten at its start but for the batch the caller still held then)
+            assert 0 < len(reclaimer) <= 2 * 4 + (0 if persistent else 1), seen
         else:
             assert 2 * 4 < len(reclaimer) <= 2 * (4 + 6), seen
     for p in procs:
@@ -223,6 +272,37 @@ def test_a_producer_hands_its_loaders_buffers_back_and_every_batch_arrives_intac
     assert data.collate_fn is default_collate
     assert [r["bad"] for r in reports] == [[], []], reports
     assert [r["count"] for r in reports] == [epochs * SAMPLES // BATCH] * 2, reports
+
+
+def test_a_resumed_producer_pools_from_its_next_epoch_with_room_for_the_batches_it_keeps(name: str) -> None:
+    """A successor resumed mid-epoch finishes that epoch on its predecessor's iterator, without
+    the pool; from the next epoch on its workers pool, with room for what the replay budget keeps."""
+    from tensorsocket import Consumer, Producer
+
+    from .test_restart import _state_of_a_run
+
+    def data() -> DataLoader:
+        return DataLoader(Frames(), batch_size=BATCH, num_workers=2, persistent_workers=True)
+
+    _state_of_a_run(name, data(), 5)  # a first life: 5 batches of epoch 0, then a "crash"
+    producer = Producer(data(), name=name, resume=True, slots=4)
+    bad, counts = [], []
+    with producer, serving(producer, 2) as (thread, errors):
+        with Consumer(name=name, late_join="now", timeout=60) as consumer:
+            for epoch in range(2):
+                counts.append(0)
+                for index, batch in enumerate(consumer):
+                    counts[-1] += 1
+                    if epoch == 1 and not same(batch, expected(index)):
+                        bad.append(index)
+        thread.join(60)
+        pool = producer._publisher.pool
+        seen = (counts, pool.pooling, pool.collate and pool.collate.buffers, len(pool.reclaimer))
+    assert errors == [], errors
+    assert bad == [] and counts[1] == SAMPLES // BATCH, seen
+    # prefetch 2 + 2, and each of the 2 workers' share of the 12 batches the default budget keeps
+    assert pool.pooling and pool.collate.buffers == 4 + 6, seen
+    assert 2 * 4 < len(pool.reclaimer) <= 2 * (4 + 6), seen
 
 
 SMALL_SHM = """\

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -184,3 +185,38 @@ def test_a_consumer_process_exiting_mid_epoch_without_close_exits_cleanly(name, 
     finally:
         producer.close()
         server.join(timeout=10)
+
+
+def test_a_closed_producer_and_its_dataloader_go_with_their_last_references(name):
+    """Nothing keeps a closed producer alive (its I/O thread let go of it): dropped, it and a
+    DataLoader with persistent workers go at once, not at some later garbage collection, where
+    torch's iterator would wait 5 s for each worker (its queues are closed before it)."""
+    import gc
+    import weakref
+
+    from torch.utils.data import DataLoader
+
+    from tests.support import serving
+
+    data = DataLoader(list(range(64)), batch_size=8, num_workers=2, persistent_workers=True)
+    producer = Producer(data, name=name, slots=2)
+    with serving(producer, 1) as (thread, errors):
+        with Consumer(name=name, timeout=30) as consumer:
+            assert sum(len(batch) for batch in consumer) == 64
+        thread.join(30)
+    assert errors == [], errors
+    workers = [w.pid for w in data._iterator._workers]
+    gone = [weakref.ref(producer), weakref.ref(data), weakref.ref(data._iterator)]
+    gc.disable()  # (so that only reference counts can free them)
+    try:
+        del producer, data, thread
+        alive = [ref() is not None for ref in gone]
+    finally:
+        gc.enable()
+    assert alive == [False, False, False], alive
+    assert all(not os.path.exists(f"/proc/{pid}") or _zombie(pid) for pid in workers), workers
+
+
+def _zombie(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "Z"

@@ -18,6 +18,7 @@ from .. import endpoint as endpoints
 from ..errors import Closed, IoThreadDied, TensorSocketError
 from ..flow import Flow
 from ..options import STRAGGLERS, default_max_lag
+from ..pooled_collate import LoaderPool
 from ..rebatch import batch_length
 from ..status import ProducerStatus
 from ..transport import Store, open_store
@@ -95,7 +96,8 @@ class Producer:
         self._close_lock = threading.RLock()
         self._lock_file = endpoints.lock(self.endpoint)
         try:
-            tracker, resumed = self._resume(resume)  # (a rerun pulls from the loader: before the bind)
+            pool = LoaderPool(loader)
+            tracker, resumed = self._resume(resume, pool)  # (a rerun pulls from the loader: before the bind)
             store = open_store(device)
         except BaseException:
             self._release_lock()
@@ -130,7 +132,7 @@ class Producer:
         if bound != self.endpoint:  # a tcp ":*" endpoint: the port the OS picked
             self.endpoint = bound
             self._shared.config = dataclasses.replace(config, endpoint=bound)
-        self._publisher = Publisher(self._shared, self._io, min_consumers, grace, tracker, resumed)
+        self._publisher = Publisher(self._shared, self._io, pool, min_consumers, grace, tracker, resumed)
         self._closed = False
         # If close() is never called (a script without `with` that raises): at exit, stop the
         # I/O thread before zmq is torn down under it (that aborts the process) and free the
@@ -140,7 +142,9 @@ class Producer:
         weakref.finalize(self, _stop_at_exit, shared.stop, shared.wakeup, self._io.thread, store)
         log.info("producer serving %s with %d slots on %s", self.endpoint, slots, self.device)
 
-    def _resume(self, resume: bool) -> tuple[restart.Tracker | None, restart.Resumed | None]:
+    def _resume(
+        self, resume: bool, pool: LoaderPool
+    ) -> tuple[restart.Tracker | None, restart.Resumed | None]:
         """With ``resume``: the state file's tracker, and where the predecessor's stream goes
         on (None: there is none, so a fresh stream begins). ValueError for a state file that
         is damaged or was saved over another loader: never a wrong resume."""
@@ -155,7 +159,7 @@ class Producer:
         if state is not None:
             restart.check_matches(state, description, path)
             try:  # (its own ValueErrors say what is wrong already)
-                resumed = restart.resume(self.loader, state, uuid.uuid4().hex)
+                resumed = restart.resume(self.loader, state, uuid.uuid4().hex, pool)
             except (TypeError, AttributeError, KeyError, IndexError, RuntimeError) as exc:
                 raise ValueError(
                     f"the state file {path} could not be applied ({type(exc).__name__}: {exc}): remove it "

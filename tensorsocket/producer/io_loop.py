@@ -38,10 +38,12 @@ class IoLoop:
 
     def __init__(self, shared: Shared, endpoint: str, owner: object) -> None:
         self.shared = shared
-        self._owner = owner  # the Producer: kept alive while this thread serves its consumers
         self._bound: queue.SimpleQueue[str | BaseException] = queue.SimpleQueue()
+        # ``owner``, the Producer, is kept alive by the thread's arguments while it serves, and
+        # let go when it ends (Thread.run drops them); kept longer, a closed producer and its
+        # DataLoader would wait for the garbage collector, where torch's iterator waits 5 s a worker
         self.thread = threading.Thread(
-            target=self._run, args=(endpoint,), name="tensorsocket-producer-io", daemon=True
+            target=self._run, args=(endpoint, owner), name="tensorsocket-producer-io", daemon=True
         )
         self.declined = False  # a session's message was left to the publishing thread's turn
 
@@ -59,7 +61,7 @@ class IoLoop:
 
     # ------------------------------------------------------------------ the loop
 
-    def _run(self, endpoint: str) -> None:
+    def _run(self, endpoint: str, owner: object) -> None:
         socket = zmq.Context.instance().socket(zmq.ROUTER)
         socket.setsockopt(zmq.LINGER, 500)
         socket.setsockopt(zmq.SNDHWM, 0)  # never drop: credits bound what is queued

@@ -36,6 +36,7 @@ class Publisher:
         self,
         shared: Shared,
         io: IoLoop,
+        pool: pooled_collate.LoaderPool,
         min_consumers: int,
         grace: float | None,
         tracker: Tracker | None = None,
@@ -53,10 +54,9 @@ class Publisher:
         self.pending: list[Any] = []  # pulled already (a resume's checked batch): published first
         self.last_layout = layout_table.LastLayout()  # the last batch's layout, encoded
         self.replay = Replay(shared, io)  # the batches kept for late joiners (sized at the first batch)
-        self.reclaimer = pooled_collate.Reclaimer()  # the loader's workers' buffers we may hand back
-        self.collate: pooled_collate.PooledCollate | None = None  # the one we install in the loader
-        self.loader: Any = None  # the loader of the open epoch
-        self.pooled = False  # this epoch's loader collates into them (pooled_collate.installed)
+        # the loader's workers collating into buffers we hand back (made before us: a restart's
+        # rerun opens its iterator through it too)
+        self.pool = pool
         # resume=True: where to restart from, and the state file; a successor's first epoch
         self.tracker, self.resumed = tracker, resumed
         self.expected: dict[tuple[int, int], int] = {}  # a successor's batches published before
@@ -76,8 +76,7 @@ class Publisher:
             self.wait(self._may_start, None, f"{self.min_consumers} consumer(s) to join")
         t0 = time.perf_counter()
         assert self.loader_iter is not None
-        if len(self.reclaimer):  # (the batch before is written, and maybe dropped by our caller)
-            self.reclaimer.reclaim()
+        self.pool.before_pull()  # (the batch before is written, and maybe dropped by our caller)
         try:
             batch = self.pending.pop() if self.pending else next(self.loader_iter)
         except StopIteration:
@@ -85,13 +84,11 @@ class Publisher:
             raise
         t1 = time.perf_counter()
         plan = layout.plan(batch)
-        if self.pooled:
-            self.reclaimer.track(plan.sources)
+        self.pool.pulled(plan.sources)
         content = self._check_content(plan)
         if not self.started:
             self.replay.size(plan, check_window_fits(shared, plan.nbytes))
-            if self.collate is not None:  # (the batches kept hold their buffers)
-                pooled_collate.keeping(self.collate, self.loader, shared.replay_batches)
+            self.pool.keep(shared.replay_batches)  # (the batches kept hold their buffers)
         self.started = True
         if self.replay.kept.budget:
             self.replay.check_newest()
@@ -237,11 +234,7 @@ class Publisher:
             with self.shared.changed:
                 where = self._restart_where()
             self.tracker.save(*where, force=True)
-        if self.collate is None:  # (one for every epoch: a persistent loader's workers keep the first)
-            self.collate = pooled_collate.for_loader(loader)
-        self.loader = loader
-        with pooled_collate.installed(loader, self.collate) as self.pooled:
-            self.loader_iter = sharding.open_epoch(loader, epoch)
+        self.loader_iter = self.pool.open(lambda: sharding.open_epoch(loader, epoch))
         self.index = 0
         if self.tracker is not None:
             self.tracker.epoch_iterating(epoch)

@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from .. import layout, sharding
+from ..pooled_collate import LoaderPool
 from .state_file import Point, State, check_matches, decode, encode, read, remove, state_path, write
 
 # the state file's API, re-exported: restart is what the producer and tests use
@@ -264,12 +265,13 @@ class Resumed:
     restarted: list[Any] | None = None  # [old stream, epoch]: the epoch starts again, as a new stream
 
 
-def resume(loader: Any, state: State, new_stream: str) -> Resumed:
+def resume(loader: Any, state: State, new_stream: str, pool: LoaderPool) -> Resumed:
     """Make ``loader`` continue the stream ``state`` describes (see the module docstring): load
     its state, or restore the random states and run the epoch again up to the point, checking
     the batch before it (a batch at the point that was published is pulled and checked too).
     A rerun whose batch differs starts the epoch again as ``new_stream``; a stateful loader
-    whose batch differs raises ValueError."""
+    whose batch differs raises ValueError. The iterator is opened through ``pool`` (its workers
+    keep the collate they start with, for the producer's life)."""
     p, stateful = state.point, state.loader["mode"] == STATEFUL
     out = Resumed(state.stream, p.epoch, p.first_seq, p.index, p.rng, state.consumers, state.fingerprints)
     out.loader_state = p.loader_state
@@ -282,7 +284,7 @@ def resume(loader: Any, state: State, new_stream: str) -> Resumed:
         loader.load_state_dict(p.loader_state)
     else:
         set_rng_state(loader, p.rng)  # before iter(): the epoch's order is drawn there
-    it = sharding.open_epoch(loader, p.epoch)
+    it = pool.open(lambda: sharding.open_epoch(loader, p.epoch))
     if mid_epoch:  # iter() drew from the generators again: put them back as they were there
         set_rng_state(loader, p.rng)
     if stateful or p.index == 0:  # check the batch at the point, if it was published
@@ -293,10 +295,12 @@ def resume(loader: Any, state: State, new_stream: str) -> Resumed:
     wanted = skip + (checked[1] == p.index and expected is not None)
     last, pulled = None, 0
     while pulled < wanted:
+        pool.before_pull()
         try:
             last = next(it)
         except StopIteration:
             break
+        pool.pulled(layout.plan(last).sources)
         pulled += 1
     if pulled == wanted and (expected is None or content_fingerprint(layout.plan(last)) == expected):
         out.iterator = it
