@@ -16,7 +16,30 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-SPAWN = mp.get_context("spawn")
+
+class _FreshProcess(mp.context.ForkServerProcess):
+    """A process as ``spawn`` starts one (a fresh interpreter's state, this process's
+    environment at ``start()``), but forked from a server that has torch imported already:
+    ~0.03 s to start instead of ~3 s on the 2-core VM, for the suite's hundreds of them."""
+
+    def start(self) -> None:
+        self._environ = dict(os.environ)  # (a forkserver child would get the server's)
+        super().start()
+
+    def run(self) -> None:
+        os.environ.clear()
+        os.environ.update(self._environ)
+        super().run()
+
+
+class _FreshContext(mp.context.ForkServerContext):
+    Process = _FreshProcess
+
+
+# Third-party modules only: tensorsocket's own import reads the environment (each child must
+# import it with its own).
+mp.set_forkserver_preload(["torch", "numpy", "zmq", "msgpack"])
+SPAWN = _FreshContext()
 
 T = TypeVar("T")
 
