@@ -44,9 +44,10 @@ batches its replay budget keeps, which hold their buffers (by reference) until t
 go: so a pool holds at most what ``default_collate`` would have had in use at once, for the
 loader's life instead of freed and made again (beside it, the main process keeps mapped the
 buffers it handed back, until they come back or for 64 batches; a loader whose workers are
-not persistent gets new workers, and pools, each epoch, so the old ones are let go then). (Capped at ``prefetch_factor`` + 2 alone, the
-kept batches took every buffer and most batches were made afresh: ``benchmarks/FINDINGS.md``,
-*The loader's workers collating into reused memory*.)
+not persistent gets new workers, and pools, each epoch, so the old ones are let go then).
+(Capped at ``prefetch_factor`` + 2 alone, the kept batches took every buffer and most batches
+were made afresh: ``benchmarks/FINDINGS.md``, *The loader's workers collating into reused
+memory*.)
 """
 
 from __future__ import annotations

@@ -293,16 +293,17 @@ def resume(loader: Any, state: State, new_stream: str, pool: LoaderPool) -> Resu
         skip, checked = p.index, (p.epoch, p.index - 1)
     expected = state.fingerprints.get(checked)
     wanted = skip + (checked[1] == p.index and expected is not None)
-    last, pulled = None, 0
+    last, plan, pulled = None, None, 0
     while pulled < wanted:
         pool.before_pull()
         try:
             last = next(it)
         except StopIteration:
             break
-        pool.pulled(layout.plan(last).sources)
+        plan = layout.plan(last)  # (the last one's is checked below)
+        pool.pulled(plan.sources)
         pulled += 1
-    if pulled == wanted and (expected is None or content_fingerprint(layout.plan(last)) == expected):
+    if pulled == wanted and (expected is None or content_fingerprint(plan) == expected):
         out.iterator = it
         out.pending = [last] if checked[1] == p.index and last is not None else []
         return out
