@@ -20,9 +20,31 @@ def test_rounds_alternate_and_summarise_what_each_round_measured(tmp_path: Path)
     gaps = [r["per_trainer_samples_per_s"]["shared_gap_to_single_pct"] for r in result["rounds"]]
     assert summary["gap_pct"] == gaps
     assert summary["gap_pct_median"] == round(statistics.median(gaps), 2)
+    slowest = [r["per_trainer_samples_per_s"]["slowest_shared_gap_to_single_pct"] for r in result["rounds"]]
+    assert summary["slowest_gap_pct"] == slowest
+    assert all(s >= g for s, g in zip(slowest, gaps, strict=True))  # the slowest is at most the mean
+    later = [r["per_trainer_samples_per_s"]["after_first_epoch_gap_to_single_pct"] for r in result["rounds"]]
+    assert summary["after_first_epoch_gap_pct"] == later
+    assert summary["after_first_epoch_gap_pct_median"] == round(statistics.median(later), 2)
     for r, own in zip(result["rounds"], summary["tensorsocket_cpu_ms_per_batch"], strict=True):
         cpu = r["cpu_ms_per_batch"]
         assert cpu["shared"]["producer"] > 0 and cpu["single"]["loader_workers"] > 0
         expected = cpu["shared"]["producer"] + cpu["shared"]["trainers"] - cpu["single"]["trainers"]
         assert own == round(expected, 2)
     assert result["config"]["rounds"] == 2 and result["config"]["trainers"] == 2
+
+
+def test_a_trainer_reports_its_rate_past_the_first_epoch() -> None:
+    """The rate past the first epoch counts the samples after the second epoch's first batch,
+    over the time since it; with one epoch there is none."""
+    import torch
+
+    from benchmarks.sharing import _train
+
+    batch = (torch.zeros(2, 3, 224, 224), torch.zeros(2, dtype=torch.int64))
+    two = _train([batch] * 3, epochs=2, step_s=0.01)
+    assert two["samples"] == 5 * 2  # (after the first batch of the run)
+    assert two["later_samples"] == 2 * 2  # the second epoch's 2 batches after its first
+    # over the time from that first batch on: its step and the 2 batches' (0.03 s, and some)
+    assert 4 / (5 * 0.03) < two["later_samples_per_s"] < 4 / 0.03
+    assert _train([batch] * 3, epochs=1, step_s=0.0)["later_samples_per_s"] is None
