@@ -55,7 +55,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -66,6 +66,8 @@ from torch.utils.data._utils.collate import (
     default_collate,
     default_collate_fn_map,
 )
+
+from . import sharding
 
 __all__ = ["LoaderPool", "PooledCollate", "Reclaimer", "installed"]
 
@@ -338,13 +340,14 @@ class LoaderPool:
         self.pooling = False
         self._opened = False
 
-    def open(self, make: Callable[[], Iterator[Any]]) -> Iterator[Any]:
-        """The loader's next iterator, ``make()``, made with the collate installed."""
+    def open(self, epoch: int) -> Iterator[Any]:
+        """The loader's iterator for ``epoch`` (:func:`sharding.open_epoch`), made with the
+        collate installed."""
         if self._opened and not getattr(self.loader, "persistent_workers", False):
             self.reclaimer.forget_handed_back()  # new workers, new pools: the old never come back
         self._opened = True
         with installed(self.loader, self.collate) as self.pooling:
-            return make()
+            return sharding.open_epoch(self.loader, epoch)
 
     def before_pull(self) -> None:
         """Hand back what the batches pulled before no longer hold (call before each pull)."""

@@ -194,7 +194,7 @@ class Producer:
         """Start an epoch (calling the loader's ``set_epoch`` hooks): yields the loader's
         batches after publishing each one."""
         self._check_open()
-        self._publisher.start_epoch(self.loader)
+        self._publisher.start_epoch()
         return _EpochPublisher(self._publisher)
 
     def serve(self, epochs: int | None = 1) -> None:

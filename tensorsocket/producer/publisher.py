@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .. import layout, layout_table, pooled_collate, protocol, sharding
+from .. import layout, layout_table, pooled_collate, protocol
 from ..errors import Closed, IoThreadDied
 from ..protocol import Kind
 from ..transport.base import Room
@@ -213,9 +213,9 @@ class Publisher:
             and time.monotonic() - shared.first_join >= self.grace
         )
 
-    def start_epoch(self, loader: Any) -> None:
-        """Open the next epoch of ``loader`` (an iterable, or a function returning one): tell
-        its epoch-seeded parts the epoch, as a training loop would, then iterate it."""
+    def start_epoch(self) -> None:
+        """Open the loader's next epoch (through the pool: an iterable, or a function returning
+        one): tell its epoch-seeded parts the epoch, as a training loop would, then iterate it."""
         if self.epoch_open:  # the previous epoch's loop was left early: end it where it is
             self.end_epoch()
         with self.shared.changed:
@@ -234,7 +234,7 @@ class Publisher:
             with self.shared.changed:
                 where = self._restart_where()
             self.tracker.save(*where, force=True)
-        self.loader_iter = self.pool.open(lambda: sharding.open_epoch(loader, epoch))
+        self.loader_iter = self.pool.open(epoch)
         self.index = 0
         if self.tracker is not None:
             self.tracker.epoch_iterating(epoch)

@@ -48,7 +48,7 @@ import msgpack
 import numpy as np
 import torch
 
-from .. import layout, sharding
+from .. import layout
 from ..pooled_collate import LoaderPool
 from .state_file import Point, State, check_matches, decode, encode, read, remove, state_path, write
 
@@ -284,7 +284,7 @@ def resume(loader: Any, state: State, new_stream: str, pool: LoaderPool) -> Resu
         loader.load_state_dict(p.loader_state)
     else:
         set_rng_state(loader, p.rng)  # before iter(): the epoch's order is drawn there
-    it = pool.open(lambda: sharding.open_epoch(loader, p.epoch))
+    it = pool.open(p.epoch)
     if mid_epoch:  # iter() drew from the generators again: put them back as they were there
         set_rng_state(loader, p.rng)
     if stateful or p.index == 0:  # check the batch at the point, if it was published
