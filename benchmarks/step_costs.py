@@ -64,9 +64,9 @@ def whole_batch() -> tuple[Callable[[], object], Callable[[], None]]:
     frame = protocol.encode_batch(1, 0, 0, 0, number, None)
 
     def one() -> None:
-        _, msg = protocol.decode(frame, protocol.MAX_REPLY_BYTES)
-        recipe = recipes.get(msg["layout"])
-        batch, _, _ = delivery.build(msg, recipe, reader, releases, False)
+        fields = protocol.decode_batch(frame)
+        recipe = recipes.get(fields[4])
+        batch, _, _ = delivery.build(fields, recipe, reader, releases, False)
         recipe.count(batch)
         del batch
         shared.released.clear()

@@ -204,19 +204,19 @@ _quiet = threading.Lock()
 _warned = False
 
 
-def tensor_over(array: np.ndarray) -> torch.Tensor:
-    """``torch.from_numpy(array)``. Over a read-only array (a consumer's read-only mapping)
-    torch warns once per process that the array is not writable (``TORCH_WARN_ONCE``): that
-    is the point there, so the one warning is swallowed, at the first such array."""
+def quiet_read_only() -> None:
+    """Spend torch's one warning (``TORCH_WARN_ONCE``) about tensors over read-only arrays here,
+    swallowed: a reader that maps read-only calls it, and ``torch.from_numpy`` is then called
+    directly over its read-only memory (that memory is read-only on purpose)."""
     global _warned
-    if _warned or array.flags.writeable:
-        return torch.from_numpy(array)
     with _quiet:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            tensor = torch.from_numpy(array)
-        _warned = True
-    return tensor
+        if not _warned:
+            read_only = np.zeros(1, dtype=np.uint8)
+            read_only.flags.writeable = False
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                torch.from_numpy(read_only)
+            _warned = True
 
 
 def fingerprint(region: torch.Tensor | np.ndarray) -> int:
@@ -349,7 +349,7 @@ def build(tree: Any, leaves: list[Leaf], region: torch.Tensor | np.ndarray, copy
     ``copy=True`` returns private copies and keeps no reference to ``region``. NumPy leaves
     are marked read-only; from a GPU region they are host copies (NumPy lives on the host).
     """
-    base = tensor_over(region) if isinstance(region, np.ndarray) else region
+    base = torch.from_numpy(region) if isinstance(region, np.ndarray) else region
     on_host = base.device.type == "cpu"
 
     def leaf_value(tag: str, leaf: Leaf) -> Any:

@@ -29,6 +29,8 @@ from . import layout
 from .errors import ProtocolError
 from .rebatch import batch_length
 
+_from_numpy = torch.from_numpy
+
 MAX_LAYOUTS = 64  # numbered per stream; each consumer keeps them all
 MAX_TABLE_BYTES = 1 << 20  # their encoded size together (a WELCOME carries them all)
 _SEEN_ONCE = 256  # the last layouts seen once: one of them seen again is numbered
@@ -142,19 +144,32 @@ class Recipe:
             else None
         )
         self._assemble = _assembler(self.tree) if compiled else None
+        # Every leaf a tensor with a NumPy twin (the usual batch): (shape, twin, offset) each,
+        # viewed in one comprehension instead of a step's call per leaf
+        twins = [_NUMPY_TWINS.get(leaf.dtype) for leaf in self.leaves]
+        self._tensors = (
+            [(leaf.shape, twin, leaf.offset) for leaf, twin in zip(self.leaves, twins, strict=True)]
+            if compiled
+            and all(tags.get(i, layout.TENSOR) == layout.TENSOR for i in range(len(twins)))
+            and all(twin is not None for twin in twins)
+            else None
+        )
         self.samples: int | None = None  # of a built batch (rebatch.batch_length), from the first one
-        self._counted = False
+        self.counted = False  # samples is known (the consumer reads it without calling count())
 
     def build(self, region: torch.Tensor | np.ndarray) -> Any:
         """The batch as views of ``region`` (see :func:`layout.build`; same result)."""
         if self._host is None or not isinstance(region, np.ndarray):  # torch's own views
             return layout.build(self.tree, self.leaves, region)
+        if self._tensors is not None:  # (what each leaf's step does, without the calls)
+            views = [_from_numpy(np.ndarray(shape, twin, region, at)) for shape, twin, at in self._tensors]
+            return self._assemble(views)  # type: ignore[misc]
         return self._assemble([step(region) for step in self._host])  # type: ignore[misc]
 
     def count(self, batch: Any) -> int | None:
         """The samples in a batch built from this recipe (the same for every one)."""
-        if not self._counted:
-            self.samples, self._counted = batch_length(batch), True
+        if not self.counted:
+            self.samples, self.counted = batch_length(batch), True
         return self.samples
 
 
@@ -194,11 +209,11 @@ def _host_step(leaf: layout.Leaf, tag: str) -> Any:
     if tag == layout.TENSOR:
         twin = _NUMPY_TWINS.get(leaf.dtype)
         if twin is not None:
-            return lambda region: layout.tensor_over(np.ndarray(shape, twin, region, start))
+            return lambda region: _from_numpy(np.ndarray(shape, twin, region, start))
         dtype = layout.TORCH_DTYPES[leaf.dtype]
         if leaf.nbytes == 0:
             return lambda region: torch.empty(shape, dtype=dtype)
-        return lambda region: layout.tensor_over(region[start:end]).view(dtype).view(shape)
+        return lambda region: _from_numpy(region[start:end]).view(dtype).view(shape)
     np_dtype = np.dtype(leaf.dtype)
 
     def array(region: np.ndarray) -> Any:

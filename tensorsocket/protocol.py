@@ -35,7 +35,9 @@ _MAX_INT = 2**63 - 1
 COMPACT = 0xC1
 _BATCH_TAG, _RELEASE_TAG = 1, 2
 _BATCH = struct.Struct("<BBQQQIIQB")
-_BATCH_HEAD = bytes([COMPACT, _BATCH_TAG])
+#: How a compact BATCH frame begins, and its fields in the order :func:`decode_batch` gives them
+BATCH_HEAD = bytes([COMPACT, _BATCH_TAG])
+BATCH_FIELDS = ("seq", "epoch", "index", "place", "layout", "fingerprint")
 _RELEASE_HEAD = bytes([COMPACT, _RELEASE_TAG])
 _MAX_PLACE = 1 << 16
 #: A consumer's late-join policies (tensorsocket.flow.LateJoin values).
@@ -243,25 +245,27 @@ def encode_release(seqs: list[int]) -> bytes:
     return _RELEASE_HEAD + struct.pack(f"<{len(seqs)}Q", *seqs)
 
 
+def decode_batch(frame: bytes) -> tuple[int, int, int, int, int, int | None]:
+    """A compact BATCH frame's fields, checked: (seq, epoch, index, place, layout number,
+    fingerprint or None). A consumer reads its batches through this, not :func:`decode`: a
+    tuple instead of a map, and one call instead of three (each call on the per-batch path
+    costs a few us from cold caches; see :mod:`tensorsocket.consumer.inbox`)."""
+    n = len(frame)
+    if n != _BATCH.size or frame[:2] != BATCH_HEAD:
+        raise ProtocolError(f"compact batch message of {n} bytes, expected {_BATCH.size}")
+    _, _, seq, epoch, index, place, layout, fingerprint, has = _BATCH.unpack(frame)
+    if seq > _MAX_INT or epoch > _MAX_INT or index > _MAX_INT or place > _MAX_PLACE or has > 1:
+        raise ProtocolError(
+            f"batch message has a bad field: seq {seq}, epoch {epoch}, index {index}, place {place}, "
+            f"fingerprint flag {has}"
+        )
+    return seq, epoch, index, place, layout, fingerprint if has else None
+
+
 def _decode_compact(frame: bytes) -> tuple[Kind, dict[str, Any]]:
     n = len(frame)
-    if frame[:2] == _BATCH_HEAD:
-        if n != _BATCH.size:
-            raise ProtocolError(f"compact batch message of {n} bytes, expected {_BATCH.size}")
-        _, _, seq, epoch, index, place, layout, fingerprint, has = _BATCH.unpack(frame)
-        if seq > _MAX_INT or epoch > _MAX_INT or index > _MAX_INT or place > _MAX_PLACE or has > 1:
-            raise ProtocolError(
-                f"batch message has a bad field: seq {seq}, epoch {epoch}, index {index}, place {place}, "
-                f"fingerprint flag {has}"
-            )
-        return Kind.BATCH, {
-            "seq": seq,
-            "epoch": epoch,
-            "index": index,
-            "place": place,
-            "layout": layout,
-            "fingerprint": fingerprint if has else None,
-        }
+    if frame[:2] == BATCH_HEAD:
+        return Kind.BATCH, dict(zip(BATCH_FIELDS, decode_batch(frame), strict=True))
     if frame[:2] == _RELEASE_HEAD:
         count, rest = divmod(n - 2, 8)
         if rest or count > MAX_RELEASE_SEQS:

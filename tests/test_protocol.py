@@ -557,6 +557,7 @@ def test_compact_batch_decodes_as_its_map_form(fields: tuple[Any, ...]) -> None:
     assert frame[0] == protocol.COMPACT and len(frame) < len(protocol.encode(Kind.BATCH, **_batch(fields)))
     assert protocol.decode(frame) == protocol.decode(protocol.encode(Kind.BATCH, **_batch(fields)))
     _decode_or_protocol_error(frame)
+    assert protocol.decode_batch(frame) == fields  # (the consumer's way: a tuple, in BATCH_FIELDS order)
 
 
 def _batch(fields: tuple[Any, ...]) -> dict[str, Any]:
@@ -604,6 +605,16 @@ BAD_COMPACT = {
 def test_bad_compact_frames_are_rejected(frame: bytes) -> None:
     with pytest.raises(ProtocolError, match="compact|bad"):
         protocol.decode(frame, protocol.MAX_REPLY_BYTES)
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [f for k, f in BAD_COMPACT.items() if k.startswith("batch")] + [_GOOD_BATCH[:2], protocol.encode_release([1])],
+    ids=[k for k in BAD_COMPACT if k.startswith("batch")] + ["only the head", "a release"],
+)
+def test_decode_batch_rejects_what_decode_rejects_and_anything_but_a_compact_batch(frame: bytes) -> None:
+    with pytest.raises(ProtocolError, match="compact|bad"):
+        protocol.decode_batch(frame)
 
 
 @FAST

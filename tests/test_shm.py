@@ -311,3 +311,34 @@ def test_every_view_of_a_leased_batch_keeps_its_owner_alive():
 
 def as_float64(values: torch.Tensor | np.ndarray) -> np.ndarray:
     return values.double().numpy() if isinstance(values, torch.Tensor) else values.astype(np.float64)
+
+
+def test_a_read_only_reader_builds_batches_without_a_warning():
+    """torch warns once per process about a tensor over read-only memory; a reader that maps
+    read-only spends that warning quietly when it is made, so its views are made with
+    ``torch.from_numpy`` directly and nobody sees it. In a fresh process: the warning is once."""
+    script = """
+import warnings
+import torch
+from tensorsocket import layout, layout_table
+from tensorsocket.transport.shm import ArenaInfo, ShmReader, ShmStore
+warnings.simplefilter("error")  # any warning fails the script
+batch = (torch.arange(64, dtype=torch.float32).reshape(8, 8), torch.arange(8, dtype=torch.bfloat16))
+pool = ShmStore()
+try:
+    plan = layout.plan(batch)
+    info = ArenaInfo.decode(pool.install(pool.prepare(0, plan.nbytes))[0])
+    pool.write(0, plan).wait()
+    reader = ShmReader(torch.device("cpu"))
+    reader.announce(info.encode())
+    lease = reader.lease(0, plan.nbytes)
+    views = layout_table.Recipe(plan.encode()).build(lease.region)
+    assert not lease.region.flags.writeable
+    assert all(torch.equal(v, b) for v, b in zip(views, batch, strict=True))
+    torch.from_numpy(lease.region)  # (and no later one either)
+    print("quiet")
+finally:
+    pool.close()
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["quiet"], done.stderr[-2000:]

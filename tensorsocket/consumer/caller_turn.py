@@ -62,7 +62,7 @@ class CallerTurns:
         the checks that make a wait finite: every TICK, that the I/O thread is alive, and
         ``check()`` (that this consumer is not waiting for a batch it can never get)."""
         shared = self.shared
-        item = self._queued()
+        item = None if shared.queue.empty() else self._queued()  # (asked here: a call less)
         if item is not None:  # read ahead: if the I/O thread went to sleep long, it reads on
             sleeping = shared.io_sleeping
             if sleeping.long and sleeping.now and not sleeping.reading:
@@ -76,11 +76,11 @@ class CallerTurns:
 
     def _wait(self, check: Callable[[], None]) -> tuple[str, Any]:
         shared, checked = self.shared, time.monotonic()
-        while True:
+        while True:  # (take() found the queue empty: a turn comes first)
+            turned = self.turn()
             item = self._queued()
             if item is not None:
                 return item
-            turned = self.turn()
             if turned is None:
                 try:
                     return shared.queue.get(timeout=TICK)
@@ -129,7 +129,11 @@ class CallerTurns:
                 self._guarded(inbox.send_releases)
             frame = inbox.link.recv()
             if frame is not None:
-                if not self._guarded(inbox.handle, frame):
+                try:  # (what _guarded does, a call less a batch)
+                    handled = inbox.handle(frame)
+                except BaseException as exc:
+                    handled = self._failed(exc)
+                if not handled:
                     inbox.over = True  # (EVICTED, say: the I/O thread stops at its next turn)
                 return True
             if inbox.link.closed:
@@ -171,13 +175,17 @@ class CallerTurns:
         try:
             return step(*args)
         except BaseException as exc:
-            self.inbox.over = True
-            why = f"consumer of {self.endpoint} failed while it read: {type(exc).__name__}: {exc}"
-            self.shared.fail(ProducerLost(why))
-            # Leave at once: the producer takes back the places we held (link_lock is ours; a
-            # link's send never raises, a gone producer's message is dropped).
-            self.inbox.link.send(protocol.encode(Kind.BYE))
-            if not isinstance(exc, Exception):
-                raise
-            log.exception("%s", why)
-            return False
+            return self._failed(exc)
+
+    def _failed(self, exc: BaseException) -> bool:
+        """A step failed with ``exc`` (see :meth:`_guarded`): end the stream, leave, say so."""
+        self.inbox.over = True
+        why = f"consumer of {self.endpoint} failed while it read: {type(exc).__name__}: {exc}"
+        self.shared.fail(ProducerLost(why))
+        # Leave at once: the producer takes back the places we held (link_lock is ours; a
+        # link's send never raises, a gone producer's message is dropped).
+        self.inbox.link.send(protocol.encode(Kind.BYE))
+        if not isinstance(exc, Exception):
+            raise exc
+        log.error("%s", why, exc_info=exc)
+        return False

@@ -10,6 +10,7 @@ fingerprint and sends RELEASE. Only then may the producer reuse the place.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any
 
@@ -44,28 +45,43 @@ class Releases:
         I/O thread's next tick."""
         _, item = _WATCHING.pop(id(watch))
         self.live.discard(item[0])
-        released, sleeping = self.released, self.sleeping
+        reader = item[6]
+        if not reader.at_once:
+            reader.retire(item[1], functools.partial(self.ready, item))
+            return
+        # (what ready() does, without the calls: host memory is released at once, and each
+        # call on the per-batch path costs a few us from cold caches)
+        self.released.append(item)
+        if self.sleeping.now and self.sleeping.wants(self.live, self.released):
+            self.wakeup.wake()
 
-        def ready() -> None:
-            released.append(item)
-            if sleeping.now and sleeping.wants(self.live, released):
-                self.wakeup.wake()
-
-        item[6].retire(item[1], ready)
+    def ready(self, item: tuple[Any, ...]) -> None:
+        """The reader says a retired batch's region may be released (in any thread)."""
+        self.released.append(item)
+        if self.sleeping.now and self.sleeping.wants(self.live, self.released):
+            self.wakeup.wake()
 
 
 def build(
-    msg: dict[str, Any], recipe: Recipe, reader: Reader, releases: Releases, copy: bool
+    fields: tuple[int, int, int, int, Any, int | None],
+    recipe: Recipe,
+    reader: Reader,
+    releases: Releases,
+    copy: bool,
 ) -> tuple[Any, Any, weakref.ref[Any]]:
-    """The user's batch from a BATCH message and its (checked) layout, its lease's token and
-    a weak reference to the lease's owner, whose death releases the batch (I/O thread).
-    Raises ProtocolError / KeyError / ValueError for a batch that does not fit its place."""
-    place, seq, nbytes = msg["place"], msg["seq"], recipe.nbytes  # (the reader checks it fits the place)
+    """The user's batch from a BATCH message's fields (as :func:`protocol.decode_batch` gives
+    them) and its (checked) layout, its lease's token and a weak reference to the lease's
+    owner, whose death releases the batch. Raises ProtocolError / KeyError / ValueError for a
+    batch that does not fit its place."""
+    seq, epoch, index, place, _, fingerprint = fields
+    nbytes = recipe.nbytes  # (the reader checks it fits the place)
     lease = reader.lease(place, nbytes)
-    item = (seq, lease.token, nbytes, msg["fingerprint"], msg["epoch"], msg["index"], reader)
+    item = (seq, lease.token, nbytes, fingerprint, epoch, index, reader)
     watch = weakref.ref(lease.owner, releases.fired)
     _WATCHING[id(watch)] = (watch, item)
-    batch = reader.deliver(recipe.build(lease.region), copy=copy)
+    batch = recipe.build(lease.region)
+    if copy or reader.delivery != "views":  # (views and no copy: deliver() gives the views back)
+        batch = reader.deliver(batch, copy)
     return batch, lease.token, watch
 
 

@@ -73,104 +73,119 @@ class Inbox:
                 return False
 
     def handle(self, frame: bytes) -> bool:
-        """Handle one message; False when the stream is over for this consumer."""
+        """Handle one message; False when the stream is over for this consumer.
+
+        A BATCH in its compact form (nearly every message) takes the shortest way: decoded
+        into a tuple, built and queued here, each step one call. Every call on this path
+        costs a few us from cold caches, several times its cost in a hot loop: the rest of a
+        consumer's step (or the producer) ran in between."""
         shared = self.shared
         self.last_seen = time.monotonic()
         try:
-            kind, msg = protocol.decode(frame, protocol.MAX_REPLY_BYTES)
-            if kind in (Kind.BATCH, Kind.EPOCH_END) and not self._new(kind, msg):
-                return True
-            if kind is Kind.BATCH:
-                recipe = self.recipes.get(msg["layout"])
-                batch, token, release = delivery.build(
-                    msg, recipe, self.reader, self.releases, self.settings.copy
-                )
-                samples = recipe.count(batch)  # counted here, off the training thread
-                payload = (
-                    batch,
-                    msg["epoch"],
-                    msg["index"],
-                    msg["seq"],
-                    token,
-                    release,
-                    samples,
-                    self.reader,
-                )
-                shared.queue.put((BATCH, payload))
-            elif kind is Kind.SKIPPED:
-                shared.queue.put((SKIPPED, msg["count"]))
-            elif kind is Kind.ARENA:
-                self.reader.announce(msg["arena"])
-            elif kind is Kind.LAYOUT:
-                self.recipes.define(msg["number"], msg["layout"])
-            elif kind is Kind.EPOCH_END:
-                shared.queue.put((EPOCH_END, msg["epoch"]))
-            elif kind is Kind.END:
-                # Every earlier BATCH is built (so its arena mapped): tell the producer
-                # it may now free its arenas.
-                shared.stream_over = True
-                shared.queue.put((END, msg["reason"]))
-                self._send(protocol.encode(Kind.BYE))
-            elif kind is Kind.EVICTED and shared.stream_over:
-                # We said BYE at END, so a later RELEASE or MODIFIED draws this; after END
-                # no place is reused, so the queued batches stay valid.
-                return True
-            elif kind is Kind.EVICTED:
-                # Mid-stream (after END the branch above applies): our queued batches'
-                # places get reused, so never yield them.
-                shared.cut_off = Evicted(
-                    f"the producer at {self.endpoint} evicted this consumer: {msg['reason']}"
-                )
-                shared.fail(shared.cut_off)
-                return False
-            elif kind is Kind.GROUP_BROKEN:
-                # Nothing more comes, but what we hold stays ours until released: this thread
-                # goes on heartbeating (not shared.fail: a silent consumer is evicted, and its
-                # places reused under the batches it still holds) and releasing.
-                broken = GroupBroken(f"the producer at {self.endpoint} reports: {msg['reason']}")
-                log.error("%s", broken)
-                if msg["at_once"]:  # mid-epoch: the batches still queued are no use to DDP
-                    shared.cut_off = broken
-                shared.queue.put((ERROR, broken))
-            elif kind is Kind.ERROR:
-                log.error("the producer at %s reports: %s", self.endpoint, msg["reason"])
-            elif kind is Kind.STATUS:
-                shared.synced.set()
-            elif kind is not Kind.HEARTBEAT:
-                raise ProtocolError(f"unexpected {kind.value} message from the producer")
+            if frame[:2] == protocol.BATCH_HEAD:
+                fields = protocol.decode_batch(frame)
+            else:
+                kind, msg = protocol.decode(frame, protocol.MAX_REPLY_BYTES)
+                if kind is not Kind.BATCH:
+                    return self._other(kind, msg)
+                fields = tuple(msg[name] for name in protocol.BATCH_FIELDS)  # (a layout sent inline)
+            seq, epoch, index, _, layout, _ = fields
+            if seq <= self.drop_through or self.rejoined_at is not None:
+                if not self._new(Kind.BATCH, seq, epoch, index):
+                    return True
+            else:  # (what _new notes, inline)
+                self.last_seq = seq
+                self.next_at = (epoch, (index // self.size + 1) * self.size)
+            recipe = self.recipes.get(layout)
+            batch, token, release = delivery.build(
+                fields, recipe, self.reader, self.releases, self.settings.copy
+            )
+            # the samples counted here, off the training thread (the same for every batch of a layout)
+            samples = recipe.samples if recipe.counted else recipe.count(batch)
+            shared.queue.put((BATCH, (batch, epoch, index, seq, token, release, samples, self.reader)))
         except (ProtocolError, KeyError, ValueError) as exc:
             shared.fail(ProtocolError(f"bad message from the producer at {self.endpoint}: {exc}"))
             return False
         return True
 
-    def _new(self, kind: Kind, msg: dict[str, Any]) -> bool:
-        """Note where the stream is for a rejoin; False for an entry received before it (a
-        successor publishes again from its restart point): released at once, not yielded."""
-        if msg["seq"] <= self.drop_through:
-            if kind is Kind.BATCH:
-                self._send(protocol.encode_release([msg["seq"]]))
+    def _other(self, kind: Kind, msg: dict[str, Any]) -> bool:
+        """Handle a message other than BATCH (ProtocolError, KeyError or ValueError for a bad
+        one, as :meth:`handle` says); False when the stream is over for this consumer."""
+        shared = self.shared
+        if kind is Kind.EPOCH_END and not self._new(kind, msg["seq"], msg["epoch"], 0):
+            return True
+        if kind is Kind.SKIPPED:
+            shared.queue.put((SKIPPED, msg["count"]))
+        elif kind is Kind.ARENA:
+            self.reader.announce(msg["arena"])
+        elif kind is Kind.LAYOUT:
+            self.recipes.define(msg["number"], msg["layout"])
+        elif kind is Kind.EPOCH_END:
+            shared.queue.put((EPOCH_END, msg["epoch"]))
+        elif kind is Kind.END:
+            # Every earlier BATCH is built (so its arena mapped): tell the producer
+            # it may now free its arenas.
+            shared.stream_over = True
+            shared.queue.put((END, msg["reason"]))
+            self._send(protocol.encode(Kind.BYE))
+        elif kind is Kind.EVICTED and shared.stream_over:
+            # We said BYE at END, so a later RELEASE or MODIFIED draws this; after END
+            # no place is reused, so the queued batches stay valid.
+            return True
+        elif kind is Kind.EVICTED:
+            # Mid-stream (after END the branch above applies): our queued batches'
+            # places get reused, so never yield them.
+            shared.cut_off = Evicted(
+                f"the producer at {self.endpoint} evicted this consumer: {msg['reason']}"
+            )
+            shared.fail(shared.cut_off)
             return False
-        if self.rejoined_at is not None:
-            self._after_rejoin(kind, msg)
-        self.last_seq = msg["seq"]
-        if kind is Kind.EPOCH_END:
-            self.next_at = (msg["epoch"] + 1, 0)
-        else:
-            self.next_at = (msg["epoch"], (msg["index"] // self.size + 1) * self.size)
+        elif kind is Kind.GROUP_BROKEN:
+            # Nothing more comes, but what we hold stays ours until released: this thread
+            # goes on heartbeating (not shared.fail: a silent consumer is evicted, and its
+            # places reused under the batches it still holds) and releasing.
+            broken = GroupBroken(f"the producer at {self.endpoint} reports: {msg['reason']}")
+            log.error("%s", broken)
+            if msg["at_once"]:  # mid-epoch: the batches still queued are no use to DDP
+                shared.cut_off = broken
+            shared.queue.put((ERROR, broken))
+        elif kind is Kind.ERROR:
+            log.error("the producer at %s reports: %s", self.endpoint, msg["reason"])
+        elif kind is Kind.STATUS:
+            shared.synced.set()
+        elif kind is not Kind.HEARTBEAT:
+            raise ProtocolError(f"unexpected {kind.value} message from the producer")
         return True
 
-    def _after_rejoin(self, kind: Kind, msg: dict[str, Any]) -> None:
+    def _new(self, kind: Kind, seq: int, epoch: int, index: int) -> bool:
+        """Note where the stream is for a rejoin; False for an entry received before it (a
+        successor publishes again from its restart point): released at once, not yielded.
+        (``index``: a BATCH's; 0 for an EPOCH_END.)"""
+        if seq <= self.drop_through:
+            if kind is Kind.BATCH:
+                self._send(protocol.encode_release([seq]))
+            return False
+        if self.rejoined_at is not None:
+            self._after_rejoin(kind, epoch, index)
+        self.last_seq = seq
+        if kind is Kind.EPOCH_END:
+            self.next_at = (epoch + 1, 0)
+        else:
+            self.next_at = (epoch, (index // self.size + 1) * self.size)
+        return True
+
+    def _after_rejoin(self, kind: Kind, at_epoch: int, at_index: int) -> None:
         """The first entry after a rejoin. An epoch end it jumps over is ended here. Batches
         between where we rejoined and it were lost (the successor no longer had them: say, a
         consumer joined with a replay just before the crash, before the state file said so):
         said, and counted in ``missed``."""
         epoch, index = self.rejoined_at  # type: ignore[misc]
         self.rejoined_at = None
-        for ended in range(epoch, msg["epoch"]):
+        for ended in range(epoch, at_epoch):
             # An epoch's end marker is not held, so it may have been in flight when the producer
             # died while the successor starts after it: end that epoch here, as it would have.
             self.shared.queue.put((EPOCH_END, ended))
-        first = (msg["epoch"], msg["index"] - msg["index"] % self.size) if kind is Kind.BATCH else None
+        first = (at_epoch, at_index - at_index % self.size) if kind is Kind.BATCH else None
         if first is None or first == (epoch, index):
             return
         lost = resume.missed(resume.Position(self.stream, epoch, index), *first, self.batches_per_epoch)

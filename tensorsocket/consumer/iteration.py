@@ -196,8 +196,10 @@ class Batches:
             raise StopIteration
         if self.error is not None:
             raise self.error
-        self._check_violation()
-        kind, payload = self._take()
+        shared = self.shared
+        if shared.violations:  # (asked here: each call on the per-batch path costs a few us)
+            self._check_violation()
+        kind, payload = self.turns.take(self._check_hoarding)
         while kind in (SKIPPED, RESTARTED):
             if kind == SKIPPED:
                 self._note_skipped(payload)
@@ -205,13 +207,14 @@ class Batches:
                 self.stream, again = payload
                 if again:
                     self.repeated = (self.repeated or 0) + again
-            kind, payload = self._take()
+            kind, payload = self.turns.take(self._check_hoarding)
         if kind in (BATCH, EPOCH_END):
             self._note_position(kind, *((payload[1], payload[2]) if kind == BATCH else (payload, 0)))
         if kind == BATCH:
-            self._catch_up_after_freeze()
-            if self.shared.cut_off is not None:  # evicted (or its group broke) while this batch was queued
-                self.error = self.shared.cut_off
+            if time.monotonic() - shared.io_tick > self.settings.timeout / 2 or not shared.synced.is_set():
+                self._catch_up_after_freeze()
+            if shared.cut_off is not None:  # evicted (or its group broke) while this batch was queued
+                self.error = shared.cut_off
                 raise self.error
             self.mid_epoch = True
             batch, epoch, index, seq, token, release, self.samples, reader = payload
@@ -219,8 +222,9 @@ class Batches:
             # batch the I/O thread is still building or queueing. A batch delivered as a copy
             # dropped its views in the I/O thread already: it holds nothing.
             if release() is not None:  # (its owner is alive)
-                self.shared.live.add(seq)
-                reader.handed_out(token)
+                shared.live.add(seq)
+                if not reader.at_once:  # (host memory: nothing to note)
+                    reader.handed_out(token)
             if self.first_batch:
                 self.first_batch = False
                 if index >= self.group_size and not self.resume_checked:  # (a restored one said where it is)
@@ -251,9 +255,6 @@ class Batches:
         self.error = payload
         raise payload
 
-    def _take(self) -> tuple[str, Any]:
-        return self.turns.take(self._check_hoarding)
-
     def _note_skipped(self, count: int) -> None:
         if not self.skipped:
             log.warning(
@@ -270,7 +271,8 @@ class Batches:
         the EVICTED message may not be read yet. The I/O thread notices the freeze at its next
         turn (a gap over ``timeout / 2``; eviction needs more than ``timeout``) and asks the
         producer something; its answer comes after EVICTED. So: if the I/O thread has not
-        turned since the freeze, wait for it to; then wait for the answer."""
+        turned since the freeze, wait for it to; then wait for the answer. (next_batch calls
+        it only when one of the two may be so.)"""
         shared, timeout = self.shared, self.settings.timeout
         seen = shared.io_tick
         if time.monotonic() - seen > timeout / 2:

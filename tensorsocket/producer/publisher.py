@@ -71,7 +71,10 @@ class Publisher:
         shared = self.shared
         endpoint = shared.config.endpoint
         if self.started:
-            self.wait(lambda: shared.flow.serving() >= 1, None, "a consumer to join")
+            with shared.changed:  # (asked here first: wait() and its predicate are calls each batch)
+                serving = shared.flow.serving()
+            if not serving:
+                self.wait(lambda: shared.flow.serving() >= 1, None, "a consumer to join")
         else:
             self.wait(self._may_start, None, f"{self.min_consumers} consumer(s) to join")
         t0 = time.perf_counter()

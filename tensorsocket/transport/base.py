@@ -148,6 +148,10 @@ class Reader(abc.ABC):
     #: whether a batch's fingerprint is checked when it is released: False where the memory
     #: is mapped read-only, so that a write faults in the writer instead
     checks_writes: bool = True
+    #: True where a region may be released as soon as its last view dies: :meth:`retire`
+    #: calls back at once and :meth:`handed_out` does nothing, so the consumer skips both
+    #: calls (host memory: the CPU read it synchronously; each call costs a few us a batch)
+    at_once: bool = False
 
     @abc.abstractmethod
     def announce(self, descriptor: list[Any]) -> None:
@@ -164,7 +168,8 @@ class Reader(abc.ABC):
     @abc.abstractmethod
     def deliver(self, views: Any, copy: bool) -> Any:
         """The user's batch from ``views`` (built over a lease's region): the views themselves
-        when they are already on the consumer's device, else copies there."""
+        when they are already on the consumer's device, else copies there. With ``delivery``
+        "views" and no ``copy`` the views themselves, always: the consumer skips the call."""
 
     def handed_out(self, token: Any) -> None:  # noqa: B027 - a hook: most transports need nothing
         """The batch was handed to the user, in the user's thread (a GPU reader notes the

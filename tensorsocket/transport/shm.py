@@ -277,6 +277,7 @@ class ShmReader(Reader):
     """
 
     kind = KIND
+    at_once = True  # (retire calls back at once; handed_out is the base's, which does nothing)
 
     def __init__(self, device: torch.device, writable: bool = False) -> None:
         self.device = device
@@ -286,6 +287,8 @@ class ShmReader(Reader):
         # fault, with faulthandler's traceback), before any other consumer sees a changed byte.
         # Writable mappings (Consumer(check_writes=True)) rely on the fingerprint instead.
         self.writable = self.checks_writes = writable
+        if not writable:
+            layout.quiet_read_only()  # (torch warns once about tensors over read-only memory)
         self._infos: dict[int, ArenaInfo] = {}
         self._maps: dict[int, mmap.mmap] = {}
 
@@ -299,12 +302,6 @@ class ShmReader(Reader):
         return self._infos[place].size
 
     def lease(self, place: int, nbytes: int) -> Lease:
-        region = self.region(place, nbytes)
-        # The token is the mapping, not the region: the release check reads the very memory
-        # this batch lived in without keeping the region (and so the finalizer) from firing.
-        return Lease(region, region, region.base)
-
-    def region(self, place: int, nbytes: int) -> np.ndarray:
         info = self._infos[place]
         if not 0 <= nbytes <= info.size:
             raise ValueError(f"region of {nbytes} bytes does not fit arena {info.name} ({info.size})")
@@ -313,7 +310,14 @@ class ShmReader(Reader):
             mm = self._maps[place] = open_segment(info.name, info.size, self.writable)
         # (np.frombuffer, not np.ndarray over the mapping, ~0.4 us quicker: that holds no export
         # of the mapping's buffer, so nothing would stop the mapping closing under the views)
-        return np.frombuffer(mm, dtype=np.uint8, count=nbytes)
+        region = np.frombuffer(mm, dtype=np.uint8, count=nbytes)
+        # The token is the mapping, not the region: the release check reads the very memory
+        # this batch lived in without keeping the region (and so the finalizer) from firing.
+        return Lease(region, region, region.base)
+
+    def region(self, place: int, nbytes: int) -> np.ndarray:
+        """The first ``nbytes`` of ``place``'s arena, as :meth:`lease` gives them."""
+        return self.lease(place, nbytes).region
 
     def deliver(self, views: Any, copy: bool) -> Any:
         if self.device.type != "cpu":  # one copy, straight from shared memory to the device
