@@ -206,8 +206,8 @@ _warned = False
 
 def quiet_read_only() -> None:
     """Spend torch's one warning (``TORCH_WARN_ONCE``) about tensors over read-only arrays here,
-    swallowed: a reader that maps read-only calls it, and ``torch.from_numpy`` is then called
-    directly over its read-only memory (that memory is read-only on purpose)."""
+    swallowed: every :class:`~tensorsocket.layout_table.Recipe` calls it when it is made, and
+    views are then made straight over read-only mappings (read-only on purpose)."""
     global _warned
     with _quiet:
         if not _warned:

@@ -133,6 +133,7 @@ class Recipe:
     costs ~3x as much)."""
 
     def __init__(self, encoded: Any, compiled: bool = True) -> None:
+        layout.quiet_read_only()  # (its batches' regions may be read-only mappings)
         self.tree, self.leaves = layout.check(encoded, _ANY_SIZE)
         self.nbytes: int = encoded[2]
         tags: dict[int, str] = {}

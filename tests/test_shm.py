@@ -314,8 +314,8 @@ def as_float64(values: torch.Tensor | np.ndarray) -> np.ndarray:
 
 
 def test_a_read_only_reader_builds_batches_without_a_warning():
-    """torch warns once per process about a tensor over read-only memory; a reader that maps
-    read-only spends that warning quietly when it is made, so its views are made with
+    """torch warns once per process about a tensor over read-only memory; a recipe spends that
+    warning quietly when it is made, so views over a read-only mapping are made with
     ``torch.from_numpy`` directly and nobody sees it. In a fresh process: the warning is once."""
     script = """
 import warnings

@@ -287,8 +287,6 @@ class ShmReader(Reader):
         # fault, with faulthandler's traceback), before any other consumer sees a changed byte.
         # Writable mappings (Consumer(check_writes=True)) rely on the fingerprint instead.
         self.writable = self.checks_writes = writable
-        if not writable:
-            layout.quiet_read_only()  # (torch warns once about tensors over read-only memory)
         self._infos: dict[int, ArenaInfo] = {}
         self._maps: dict[int, mmap.mmap] = {}
 
