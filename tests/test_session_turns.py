@@ -42,9 +42,9 @@ def record_left_frames(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
     left: list[bytes] = []
     read = sessions_module.Sessions.read
 
-    def recording(self: sessions_module.Sessions, fd: int) -> tuple[list[bytes], bool]:
+    def recording(self: sessions_module.Sessions, fd: int, most: int = 1000) -> tuple[list[bytes], bool]:
         left.extend(self.stashed.get(fd, []))
-        return read(self, fd)
+        return read(self, fd, most)
 
     monkeypatch.setattr(sessions_module.Sessions, "read", recording)
     return left
@@ -159,3 +159,44 @@ def test_a_malformed_message_the_publishing_thread_reads_is_reported_and_the_str
     assert status["bad_messages"] == 1
     assert "the producer at" in caplog.text and "reports" in caplog.text
     assert garbage in left, "the garbage never went through the hand-over"
+
+
+def test_messages_sent_together_are_applied_in_order_one_read_at_a_time(name, monkeypatch):
+    """The publishing thread reads one message per session each time it looks: a burst
+    (three heartbeats, then garbage) is still applied in order, the heartbeats by that thread
+    and the garbage handed to the I/O thread after them, and every batch still arrives."""
+    monkeypatch.setattr(session_turns, "HANDOVER", 60.0)  # the publishing thread's turn never lapses
+    left = record_left_frames(monkeypatch)
+    applied: list[tuple[str, Kind]] = []
+    apply = shared_module.Shared.apply_routine
+
+    def recording(self: shared_module.Shared, cid: object, kind: Kind, msg: dict, now: float) -> bool:
+        done = apply(self, cid, kind, msg, now)
+        if done and kind is Kind.HEARTBEAT:
+            applied.append((threading.current_thread().name, kind))
+        return done
+
+    monkeypatch.setattr(shared_module.Shared, "apply_routine", recording)
+    batches = 30
+    producer = Producer(NestedLoader(batches), name=name, slots=1, replay=0)
+    garbage = b"\xc1\x00 not msgpack"
+    with serving(producer, epochs=1) as (thread, errors):
+        got = []
+        with Consumer(name=name, timeout=30) as consumer:
+            for batch in consumer:
+                got.append(same(batch, expected_batch(len(got), batches)))
+                del batch
+                if len(got) == 5:
+                    link = consumer._conn.link
+                    assert link.conn is not None and link.switched
+                    with consumer._shared.link_lock:
+                        for frame in [protocol.encode(Kind.HEARTBEAT)] * 3 + [garbage]:
+                            link.conn.send(frame)
+            status = producer.status()
+        join_or_fail(thread, 30)
+    assert errors == []
+    assert got == [True] * batches
+    assert status["bad_messages"] == 1
+    assert garbage in left, "the garbage never went through the hand-over"
+    by_publisher = [who for who, _ in applied if who != "tensorsocket-producer-io"]
+    assert len(by_publisher) >= 3, f"the burst's heartbeats were not applied by the publishing thread: {applied}"

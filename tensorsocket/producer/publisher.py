@@ -71,7 +71,7 @@ class Publisher:
         shared = self.shared
         endpoint = shared.config.endpoint
         if self.started:
-            with shared.changed:  # (asked here first: wait() and its predicate are calls each batch)
+            with shared.lock:  # (asked here first: wait() and its predicate are calls each batch)
                 serving = shared.flow.serving()
             if not serving:
                 self.wait(lambda: shared.flow.serving() >= 1, None, "a consumer to join")
@@ -108,7 +108,7 @@ class Publisher:
             if self.closing:  # close() from another thread closed the store under us
                 raise Closed(f"producer on {endpoint} was closed") from None
             raise
-        with shared.changed:
+        with shared.lock:
             if shared.flow.ended:  # closed while we wrote
                 shared.flow.cancel(place)  # (a joiner's replay may still need a place)
                 raise Closed(f"producer on {endpoint} was closed")

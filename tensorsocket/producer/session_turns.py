@@ -78,7 +78,9 @@ class SessionTurns:
         after it (the connection's end too), to the I/O thread."""
         shared, sessions = self.shared, self.sessions
         cid = sessions.cid_of[fd]
-        frames, closed = sessions.read(fd)  # (none stashed: a stashed fd is not polled here)
+        # (none stashed: a stashed fd is not polled here.) One message: releases come four to
+        # one, so a second recv() would mostly fail, an exception each; a next one is polled
+        frames, closed = sessions.read(fd, 1)
         now, applied = time.monotonic(), 0
         for frame in frames:
             try:
@@ -100,7 +102,7 @@ class SessionTurns:
         shared = self.shared
         try:
             while True:
-                with shared.changed:
+                with shared.lock:
                     shared.publisher_polling = False
                     # (not while a message left to the I/O thread waits: a BYE changes who is sent what)
                     if self.drain() and reserved():

@@ -121,16 +121,16 @@ class Sessions:
         self.version += 1
         return []
 
-    def read(self, fd: int) -> tuple[list[bytes], bool]:
-        """A consumer's messages, those stashed first (at most 1000 more, so ticks still run
-        under a flood), and True if its connection closed (:meth:`drop` it then); lock held."""
+    def read(self, fd: int, most: int = 1000) -> tuple[list[bytes], bool]:
+        """A consumer's messages, those stashed first (at most ``most`` more, so ticks still
+        run under a flood), and True if its connection closed (:meth:`drop` it then); lock held."""
         conn = self.by_cid[self.cid_of[fd]]
         frames = self.stashed.pop(fd, [])
         if frames:
             self.version += 1  # (the caller's thread polls it again)
             if frames[-1] == b"":
                 return frames[:-1], True
-        for _ in range(1000):
+        for _ in range(most):
             frame = conn.recv(protocol.MAX_REQUEST_BYTES)
             if frame is None:
                 break
