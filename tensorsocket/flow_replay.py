@@ -140,8 +140,9 @@ class Replaying:
         if self._free:
             return self._free.pop()
         spare, oldest = None, self._owed_from()  # (one pass: this runs for every batch)
-        for i, s in enumerate(self._places):
-            if s.unheld and s.seq < oldest:  # type: ignore[operator]
+        published = PlaceState.PUBLISHED
+        for i, s in enumerate(self._places):  # (``s.unheld`` spelled out: a call a place)
+            if s.state is published and not s.holders and s.seq < oldest:  # type: ignore[operator]
                 spare, oldest = i, s.seq
         return spare
 
@@ -150,7 +151,12 @@ class Replaying:
 
     def _owed_from(self) -> int:
         """Batches from here on are still owed to some consumer."""
-        return min((c.cursor for c in self.consumers.values() if c.cursor is not None), default=self.next_seq)
+        owed = None  # (a loop, not min() over a generator: a call a consumer, every batch)
+        for c in self.consumers.values():
+            cursor = c.cursor
+            if cursor is not None and (owed is None or cursor < owed):
+                owed = cursor
+        return self.next_seq if owed is None else owed
 
     def _available(self, seq: int) -> bool:
         """Can entry ``seq`` be sent: in its place, or kept (and so written there again)?"""
