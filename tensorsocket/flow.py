@@ -148,8 +148,7 @@ class Flow(Replaying):
 
     def serving(self) -> int:
         """Consumers the stream is for: not waiting for the rest of their group, not cut off."""
-        # (``forming`` spelled out, and no generator: asked for every batch)
-        return len([c for c in self.consumers.values() if not c.broken and (c.group is None or c.group.started)])
+        return len([c for c in self.consumers.values() if not c.broken and (c.group is None or c.group.started)])  # (forming spelled out, no generator)
 
     def groups(self) -> list[Group]:
         """Every group with a member here (forming, started or broken), oldest first."""
