@@ -35,6 +35,7 @@ from .sessions import Sessions
 from .shared import TICK_MS, Shared
 
 HANDOVER = 0.005  # seconds after the publishing thread last read that its turn lasts
+_MOST_ROUNDS = 1000  # polls of the sessions in one drain (each reads a message from each ready one)
 
 
 def publisher_turn(shared: Shared) -> bool:
@@ -54,33 +55,46 @@ class SessionTurns:
     def drain(self) -> bool:
         """Apply what the consumers sent over their sessions (lock held); begins or extends
         the turn. A release that lets a batch go to a consumer on ZeroMQ wakes the I/O thread.
-        False while a message left to the I/O thread waits for it (the caller waits too)."""
+        False while a message left to the I/O thread waits for it (the caller waits too).
+
+        One message per session at a time, polling again until none has one: reading a
+        session until ``recv()`` failed raised an exception for every message (releases
+        come four to one), ~2.3 us in a hot loop against ~0.6 us for a poll."""
         shared, sessions = self.shared, self.sessions
         shared.publisher_at = time.monotonic()
         if self._version != sessions.version:
-            self._poll = select.poll()
-            self._poll.register(shared.publisher_wakeup.fd, select.POLLIN)
-            for fd in sessions.cid_of:
-                if fd not in sessions.stashed:  # (the I/O thread reads that one now)
-                    self._poll.register(fd, select.POLLIN)
-            self._version = sessions.version
+            self._watch()
         if not sessions.cid_of:
             return True
-        for fd, _ in self._poll.poll(0):
-            if fd in sessions.cid_of:
-                self._read(fd)
+        for _ in range(_MOST_ROUNDS):  # (under a flood, the rest at the next look: ticks still run)
+            if self._version != sessions.version:
+                self._watch()  # (a message was left to the I/O thread: its connection is not polled)
+            ready = [fd for fd, _ in self._poll.poll(0) if fd in sessions.cid_of]
+            if not ready:
+                break
+            for fd in ready:
+                if fd in sessions.cid_of and fd not in sessions.stashed:  # (one before may have changed them)
+                    self._read(fd)
         if shared.io_wanted:
             shared.wakeup.wake()
         return not sessions.stashed
+
+    def _watch(self) -> None:
+        """Poll the connections the I/O thread has not been left a message on, and the poke."""
+        shared, sessions = self.shared, self.sessions
+        self._poll = select.poll()
+        self._poll.register(shared.publisher_wakeup.fd, select.POLLIN)
+        for fd in sessions.cid_of:
+            if fd not in sessions.stashed:  # (the I/O thread reads that one now)
+                self._poll.register(fd, select.POLLIN)
+        self._version = sessions.version
 
     def _read(self, fd: int) -> None:
         """Apply ``fd``'s messages up to the first that is not routine; leave that one, and all
         after it (the connection's end too), to the I/O thread."""
         shared, sessions = self.shared, self.sessions
         cid = sessions.cid_of[fd]
-        # (none stashed: a stashed fd is not polled here.) One message: releases come four to
-        # one, so a second recv() would mostly fail, an exception each; a next one is polled
-        frames, closed = sessions.read(fd, 1)
+        frames, closed = sessions.read(fd, 1)  # (none stashed: a stashed fd is not polled here)
         now, applied = time.monotonic(), 0
         for frame in frames:
             try:
