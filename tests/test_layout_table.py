@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import mmap
+import re
 import time
 import weakref
 from typing import Any
@@ -283,3 +284,106 @@ def test_the_last_layout_is_reused_only_while_it_is_the_same():
         encoded_b, key_b = last.encode(layout.plan({"x": x, "v": b}))
         assert key_a != key_b, (a, b)
         assert msgpack.packb(encoded_b) == msgpack.packb(layout.plan({"x": x, "v": b}).encode())
+
+
+def _same_plan(a: layout.Plan, b: layout.Plan) -> bool:
+    return (
+        a.tree == b.tree
+        and a.leaves == b.leaves
+        and a.nbytes == b.nbytes
+        and a.values == b.values
+        and len(a.sources) == len(b.sources)
+        and all(
+            type(s) is type(t)
+            and same(s, t)
+            and getattr(s, "requires_grad", False) == getattr(t, "requires_grad", False)
+            for s, t in zip(a.sources, b.sources, strict=True)
+        )
+    )
+
+
+class _Point(tuple):
+    """A tuple subclass (a namedtuple-like batch)."""
+
+
+def _followers(x: torch.Tensor, y: torch.Tensor) -> list[Any]:
+    """Batches to plan after ``(x, y)``: some laid out as it, most differing in one way."""
+    grad = x.clone().requires_grad_()
+    return [
+        (x + 1, y + 1),  # the same layout
+        [x, y],  # a list
+        _Point((x, y)),  # a tuple subclass
+        (x, y, y),  # one more leaf
+        (x.double(), y),  # another dtype
+        (torch.zeros(5, 3), y),  # another shape
+        (x.t(), y),  # not contiguous
+        (grad, y),  # requires grad: detached
+        (torch.zeros(4, 3, dtype=torch.complex64).conj(), y),  # conjugated
+        (x.numpy(), y),  # a NumPy leaf
+        (x, 7),  # a plain value
+        ((x,), y),  # nested
+        {"x": x, "y": y},
+        {"x": x + 2, "y": y},  # the dict again
+        {"y": y, "x": x},  # its keys in another order
+        {"x": x, "z": y},  # another key
+        {1: x, "y": y},  # an int key
+        {True: x, "y": y},  # a bool key (refused)
+        {"x": x, "y": y, "z": y},
+        (x, y),
+    ]
+
+
+def test_a_batch_laid_out_as_the_last_is_planned_as_layout_plan_plans_it():
+    """LastLayout.plan gives what layout.plan gives for every batch, whatever came before it."""
+    x, y = torch.rand(4, 3), torch.arange(4)
+    for before in [(x, y), [x, y], {"x": x, "y": y}, _Point((x, y)), (x.numpy(), y), {1: x, "y": y}]:
+        for after in _followers(x, y):
+            last = layout_table.LastLayout()
+            last.plan(before)
+            try:
+                expected = layout.plan(after)
+            except TypeError as exc:
+                with pytest.raises(TypeError, match=re.escape(str(exc))):
+                    last.plan(after)
+                continue
+            assert _same_plan(last.plan(after), expected), (before, after)
+
+
+def test_a_repeated_layout_is_not_walked_again():
+    """A batch that repeats the last one's layout gets its tree and leaves, the very objects
+    (so encode() knows it at once); one that differs in any way is walked."""
+    x, y = torch.rand(4, 3), torch.arange(4)
+    for first_batch, again_batch in [
+        ((x, y), (x + 1, y + 1)),
+        ([x, y], [x, y]),
+        (_Point((x, y)), _Point((x * 2, y))),
+        ({"x": x, "y": y}, {"x": x * 2, "y": y}),
+    ]:
+        last = layout_table.LastLayout()
+        first = last.plan(first_batch)
+        again = last.plan(again_batch)
+        assert again.tree is first.tree and again.leaves is first.leaves, first_batch
+        assert list(again.sources) == list(
+            again_batch.values() if isinstance(again_batch, dict) else again_batch
+        )
+    for after in _followers(x, y)[1:-1]:  # (all but the first and last differ from (x, y))
+        last = layout_table.LastLayout()
+        first = last.plan((x, y))
+        try:
+            assert last.plan(after).leaves is not first.leaves, after
+        except TypeError:  # (refused, as layout.plan refuses it: the test above)
+            pass
+    last = layout_table.LastLayout()
+    last.plan({1: x, "y": y})  # (an int key: not reused, since 1 == True)
+    with pytest.raises(TypeError, match="has key True"):
+        last.plan({True: x, "y": y})
+
+
+def test_a_repeated_layout_still_refuses_what_layout_plan_refuses():
+    """A leaf that cannot be shared raises the same TypeError after a batch of that layout."""
+    x, y = torch.rand(4, 3), torch.arange(4)
+    for bad in [(torch.empty(4, 3, device="meta"), y), (x.to_sparse(), y)]:
+        last = layout_table.LastLayout()
+        last.plan((x, y))
+        with pytest.raises(TypeError, match="dense tensors"):
+            last.plan(bad)

@@ -52,7 +52,7 @@ class Publisher:
         self.epoch = self.first_seq = 0  # the open epoch and its first entry (only we move the flow's epoch)
         self.loader_iter: Iterator[Any] | None = None
         self.pending: list[Any] = []  # pulled already (a resume's checked batch): published first
-        self.last_layout = layout_table.LastLayout()  # the last batch's layout, encoded
+        self.last_layout = layout_table.LastLayout()  # the last batch's layout, planned and encoded
         self.replay = Replay(shared, io)  # the batches kept for late joiners (sized at the first batch)
         # the loader's workers collating into buffers we hand back (made before us: a restart's
         # rerun opens its iterator through it too)
@@ -86,7 +86,7 @@ class Publisher:
             self.end_epoch()
             raise
         t1 = time.perf_counter()
-        plan = layout.plan(batch)
+        plan = self.last_layout.plan(batch)  # (a batch laid out as the last one: not walked)
         self.pool.pulled(plan.sources)
         content = self._check_content(plan)
         if not self.started:
