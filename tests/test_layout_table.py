@@ -387,3 +387,29 @@ def test_a_repeated_layout_still_refuses_what_layout_plan_refuses():
         last.plan((x, y))
         with pytest.raises(TypeError, match="dense tensors"):
             last.plan(bad)
+
+
+def test_a_leaf_that_differs_only_in_how_it_lies_in_memory_is_walked():
+    """The same dtype and shape as the last batch's leaf, but not contiguous, a negative or
+    conjugate view, needing grad: planned as layout.plan plans it (made contiguous, resolved,
+    detached), not taken as it is."""
+    x, c, y = torch.rand(4, 3), torch.rand(4, 3, dtype=torch.complex64), torch.arange(4)
+    for first, odd in [
+        ((x, y), (torch.rand(3, 4).t(), y)),
+        ((x, y), (torch._neg_view(torch.rand(4, 3)), y)),
+        ((x, y), (torch.rand(4, 3, requires_grad=True), y)),
+        ((c, y), (torch.rand(4, 3, dtype=torch.complex64).conj(), y)),
+    ]:
+        last = layout_table.LastLayout()
+        reference = last.plan(first)
+        planned = last.plan(odd)
+        assert planned.leaves is not reference.leaves
+        expected = layout.plan(odd)
+        assert _same_plan(planned, expected)
+        source = planned.sources[0]
+        assert (
+            source.is_contiguous()
+            and not source.is_neg()
+            and not source.is_conj()
+            and not source.requires_grad
+        )
