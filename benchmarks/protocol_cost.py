@@ -7,7 +7,7 @@ process CPU per batch (``time.process_time()``, every thread: its I/O thread inc
 tensorsocket costs it. Each process's CPU is also split by thread (each thread's own CPU
 clock): the caller's thread, the I/O thread, and the rest of the process (ZeroMQ's own
 threads). The producer's loader yields the same few batches over and over, made once.
-Variants, one after the other in the same run:
+Variants, one after the other in the same run, their order turned by one each round:
 
 * ``read-only``: the default: host batches mapped read-only, no fingerprint check at release;
 * ``check_writes``: ``Consumer(check_writes=True)``: writable mappings, each batch's sampled
@@ -272,8 +272,10 @@ def main(argv: list[str] | None = None) -> None:
 
     runs, floors = [], []
     for rep in range(args.repeat):
+        shift = rep % len(VARIANTS)  # (the order turns each round: no variant always runs after another)
+        order = list(VARIANTS)[shift:] + list(VARIANTS)[:shift]
         for consumers in counts:
-            for variant in VARIANTS:
+            for variant in order:
                 replay = None if args.replay < 0 else args.replay
                 r = run_once(variant, consumers, args.batches, args.timeout, replay) | {"run": rep + 1}
                 runs.append(r)
