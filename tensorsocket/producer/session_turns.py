@@ -72,9 +72,8 @@ class SessionTurns:
             ready = [fd for fd, _ in self._poll.poll(0) if fd in sessions.cid_of]
             if not ready:
                 break
-            for fd in ready:
-                if fd in sessions.cid_of and fd not in sessions.stashed:  # (one before may have changed them)
-                    self._read(fd)
+            for fd in ready:  # (reading one leaves the others as they were: only it may be stashed)
+                self._read(fd)
         if shared.io_wanted:
             shared.wakeup.wake()
         return not sessions.stashed
