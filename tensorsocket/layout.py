@@ -13,8 +13,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import re
-import threading
-import warnings
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -198,25 +196,6 @@ def leaf_bytes(src: torch.Tensor | np.ndarray) -> torch.Tensor:
     if isinstance(src, np.ndarray):
         return torch.from_numpy(src.reshape(-1).view(np.uint8))
     return src.reshape(-1).view(torch.uint8)
-
-
-_quiet = threading.Lock()
-_warned = False
-
-
-def quiet_read_only() -> None:
-    """Spend torch's one warning (``TORCH_WARN_ONCE``) about tensors over read-only arrays here,
-    swallowed: every :class:`~tensorsocket.layout_table.Recipe` calls it when it is made, and
-    views are then made straight over read-only mappings (read-only on purpose)."""
-    global _warned
-    with _quiet:
-        if not _warned:
-            read_only = np.zeros(1, dtype=np.uint8)
-            read_only.flags.writeable = False
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)
-                torch.from_numpy(read_only)
-            _warned = True
 
 
 def fingerprint(region: torch.Tensor | np.ndarray) -> int:

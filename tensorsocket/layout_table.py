@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import hashlib
 import operator
+import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -147,6 +149,25 @@ class LastLayout:
         return encoded, self._key
 
 
+_quiet = threading.Lock()
+_warned = False
+
+
+def _quiet_read_only() -> None:
+    """Spend torch's one warning (``TORCH_WARN_ONCE``) about tensors over read-only arrays here,
+    swallowed: every :class:`Recipe` calls it when it is made, and views are then made straight
+    over read-only mappings (read-only on purpose)."""
+    global _warned
+    with _quiet:
+        if not _warned:
+            read_only = np.zeros(1, dtype=np.uint8)
+            read_only.flags.writeable = False
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                torch.from_numpy(read_only)
+            _warned = True
+
+
 class Recipes:
     """Consumer side: the layouts announced on this stream, checked and compiled."""
 
@@ -183,7 +204,7 @@ class Recipe:
     costs ~3x as much)."""
 
     def __init__(self, encoded: Any, compiled: bool = True) -> None:
-        layout.quiet_read_only()  # (its batches' regions may be read-only mappings)
+        _quiet_read_only()  # (its batches' regions may be read-only mappings)
         self.tree, self.leaves = layout.check(encoded, _ANY_SIZE)
         self.nbytes: int = encoded[2]
         tags: dict[int, str] = {}
