@@ -148,7 +148,7 @@ class Flow(Replaying):
 
     def serving(self) -> int:
         """Consumers the stream is for: not waiting for the rest of their group, not cut off."""
-        return len([c for c in self.consumers.values() if not c.broken and (c.group is None or c.group.started)])  # (forming spelled out, no generator)
+        return len([c for c in self.consumers.values() if not (c.broken or c.forming)])  # (no generator)
 
     def groups(self) -> list[Group]:
         """Every group with a member here (forming, started or broken), oldest first."""
@@ -507,7 +507,7 @@ class Flow(Replaying):
                 if len(held) >= state.prefetch:
                     break
                 place = places[entry.place]  # type: ignore[index]
-                if place.state is not PlaceState.PUBLISHED or place.seq != cursor:  # (place.holds, a call less)
+                if place.state is not PlaceState.PUBLISHED or place.seq != cursor:  # (place.holds inline)
                     state.wants = cursor  # kept, in no place: restage() offers it
                     break
                 held[cursor] = entry.place  # type: ignore[assignment]
