@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -112,14 +113,16 @@ class _Planner:
         if depth > MAX_DEPTH:
             raise TypeError(f"batch nests deeper than {MAX_DEPTH} levels at {_where(path)}")
         if isinstance(node, torch.Tensor):
-            if node.layout is not torch.strided or node.is_quantized or node.is_meta:
-                raise TypeError(
-                    f"batch leaf {_where(path)} is a {node.layout}, quantized or meta tensor; "
-                    "only dense tensors can be shared"
-                )
-            t = node.detach() if node.requires_grad else node  # (a detach is ~1 us per leaf)
-            if t.is_conj() or t.is_neg() or not t.is_contiguous():  # (rare: skip three calls)
-                t = t.resolve_conj().resolve_neg().contiguous()
+            t = node
+            if not taken_as_is((node,)):  # (rare)
+                if node.layout is not torch.strided or node.is_quantized or node.is_meta:
+                    raise TypeError(
+                        f"batch leaf {_where(path)} is a {node.layout}, quantized or meta tensor; "
+                        "only dense tensors can be shared"
+                    )
+                t = node.detach() if node.requires_grad else node
+                if t.is_conj() or t.is_neg() or not t.is_contiguous():
+                    t = t.resolve_conj().resolve_neg().contiguous()
             name = TORCH_NAMES.get(t.dtype)
             if name is None:
                 raise TypeError(f"batch leaf {_where(path)} has dtype {t.dtype}, which cannot be shared")
@@ -159,6 +162,21 @@ class _Planner:
             f"batch leaf {_where(path)} is a {type(node).__name__}; leaves must be tensors, NumPy "
             "arrays or None / bool / int / float / str / bytes"
         )
+
+
+def taken_as_is(tensors: Iterable[torch.Tensor]) -> bool:
+    """Does :func:`plan` take each of ``tensors`` as its source, unchanged: dense, contiguous,
+    needing no grad, not a conjugate or negative view? (Any other it refuses, or detaches,
+    resolves or copies. :class:`~tensorsocket.layout_table.LastLayout` asks it once of a
+    repeated layout's leaves: a call a batch, not one a leaf.)"""
+    for t in tensors:
+        if not (
+            t.layout is torch.strided
+            and not (t.requires_grad or t.is_quantized or t.is_meta or t.is_conj() or t.is_neg())
+            and t.is_contiguous()
+        ):
+            return False
+    return True
 
 
 def _where(path: tuple[Any, ...]) -> str:

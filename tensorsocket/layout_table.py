@@ -32,7 +32,7 @@ from .errors import ProtocolError
 from .rebatch import batch_length
 
 _from_numpy = torch.from_numpy
-_STRIDED = torch.strided
+_as_is = layout.taken_as_is
 
 MAX_LAYOUTS = 64  # numbered per stream; each consumer keeps them all
 MAX_TABLE_BYTES = 1 << 20  # their encoded size together (a WELCOME carries them all)
@@ -87,11 +87,11 @@ class LastLayout:
 
     Planning it again was more: walking a tuple of two tensors and making its leaves took ~10 us
     in a hot loop. So a batch laid out as the last one, when that was a tuple, list or dict (of
-    the same str keys, in order) of tensors, is checked leaf by leaf as :func:`layout.plan`
-    checks it (dense, contiguous, no grad, not conjugated or negated) and for the last one's
-    dtypes and shapes, and gets the last plan's tree and leaves, the very objects, with its own
-    tensors as sources: ~3 us, the plan :func:`layout.plan` makes, and :meth:`encode` knows it
-    at once. Any other batch goes the long way."""
+    the same str keys, in order) of tensors, is checked leaf by leaf: a tensor of the last one's
+    dtype and shape that :func:`layout.plan` takes as it is (:func:`layout.taken_as_is`). Then
+    it gets the last plan's tree and leaves, the very objects, with its own tensors as sources:
+    ~3 us, the plan :func:`layout.plan` makes, and :meth:`encode` knows it at once. Any other
+    batch goes the long way."""
 
     def __init__(self) -> None:
         self._leaves: tuple[layout.Leaf, ...] | None = None
@@ -110,18 +110,10 @@ class LastLayout:
             tensors = batch if self._keys is None else batch.values() if list(batch) == self._keys else ()
             sources = []
             for t, (dtype, shape) in zip(tensors, self._specs, strict=False):  # (() if the keys differ)
-                if not (
-                    isinstance(t, torch.Tensor)
-                    and t.dtype is dtype
-                    and t.shape == shape
-                    and not t.requires_grad
-                    and t.layout is _STRIDED
-                    and not (t.is_quantized or t.is_meta or t.is_conj() or t.is_neg())
-                    and t.is_contiguous()
-                ):
+                if not (isinstance(t, torch.Tensor) and t.dtype is dtype and t.shape == shape):
                     break
                 sources.append(t)
-            if len(sources) == len(self._specs):
+            if len(sources) == len(self._specs) and _as_is(sources):
                 return layout.Plan(last.tree, last.leaves, tuple(sources), last.nbytes)
         plan = layout.plan(batch)
         self._remember(batch, plan)
