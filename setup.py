@@ -1,5 +1,6 @@
 """Install tensorsocket. Torch is required but not pinned: a CUDA build you already have is
-kept; scripts/setup.sh installs the CPU build first on a machine without one."""
+kept; scripts/setup.sh installs torch 2.13.0 (the version the suite runs on) first on a
+machine without one."""
 
 from setuptools import find_packages, setup
 

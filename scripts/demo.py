@@ -1,8 +1,9 @@
-"""The demo: one tensorsocket producer feeds three training processes from a JPEG pipeline,
-then the same three trainers run with their own DataLoaders, and we print what each got.
+"""The demo: three training processes each run with their own DataLoader over a JPEG
+pipeline, then the same three run on one tensorsocket producer of that pipeline, and we print
+what each got.
 
 Runs on a CPU-only machine in about a minute; the JPEG dataset is generated locally with
-Pillow on first run (in ./data, nothing is downloaded).
+Pillow on first run (in the checkout's data/, nothing is downloaded).
 
     bash scripts/setup.sh && python3 scripts/demo.py
 """

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install tensorsocket (editable) with its test tools into the current Python environment.
-# A torch you already have (e.g. a CUDA build) is kept; without one we install torch 2.13.0
-# first, so pip does not pick the newest multi-GB build on its own.
+# A torch you already have (e.g. a CUDA build) is kept; without one we install torch 2.13.0,
+# the version the suite runs on, first (the package index decides the build: the CPU one on
+# our CI machines, a CUDA one from PyPI on Linux), so pip does not pick the newest on its own.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}

@@ -83,6 +83,7 @@ def test_producer_rejects_bad_options(name, kwargs, exc, words):
     with pytest.raises(exc) as info:
         Producer(NestedLoader(2), name=name, **kwargs)
     assert all(w in str(info.value) for w in words), str(info.value)
+    assert not (runtime_dir() / f"{name}.sock.lock").exists()  # refused: the name is not left locked
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tensorsocket import Consumer, endpoint
 from tensorsocket.cli import bottleneck, build_parser, format_status, gpu_lines, main, query_status
@@ -39,6 +40,10 @@ PIPELINE = textwrap.dedent(
 
     def boom(**kwargs):
         raise ValueError("pipeline exploded on purpose")
+
+    def workers(batches=4000):  # a DataLoader with worker processes, the group's other members
+        data = torch.arange(batches * 4, dtype=torch.float32).reshape(batches, 4)
+        return torch.utils.data.DataLoader(data, batch_size=1, num_workers=2)
 
     NOT_A_FUNCTION = 3
     """
@@ -327,6 +332,43 @@ def test_sigint_while_waiting_for_consumers(pipeline: Path) -> None:
         kill(serve)
 
 
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_to_the_process_group_ends_the_stream_cleanly(pipeline: Path, stop: int) -> None:
+    """`systemctl stop`, `timeout` and Ctrl-C in a terminal signal the whole process group, so
+    the loader's workers get it too. Their deaths must not turn the clean end into an error
+    (torch's SIGCHLD handler raised for them: exit 1), and a forked worker does not log the
+    stop as the producer does."""
+    name = unique_name("cli")
+    serve = subprocess.Popen(
+        command("serve", f"{pipeline}:workers", "--name", name, "--progress", "0"),
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    consumer = None
+    try:
+        wait_until_serving(serve, name)
+        consumer = Consumer(name=name, timeout=20)
+        taken = []
+        for batch in consumer:
+            taken.append(int(batch[0, 0]) // 4)
+            if len(taken) == 20:
+                os.killpg(serve.pid, stop)
+        drain(consumer)
+        assert consumer.finished and taken == list(range(len(taken))) and len(taken) >= 20
+        consumer.close()
+        rc, _, err = finish(serve)
+        assert rc == 0, err
+        name_of = signal.Signals(stop).name
+        assert err.count(f"{name_of}: ending the stream") == 1, err
+        assert "error" not in err.lower() and "Traceback" not in err, err
+        assert shm_segments(serve.pid) == []
+    finally:
+        if consumer is not None:
+            consumer.close()
+        if serve.poll() is None:
+            os.killpg(serve.pid, signal.SIGKILL)
+            serve.communicate(timeout=10)
+
+
 def test_errors_and_help(pipeline: Path, tmp_path: Path) -> None:
     nobody = unique_name("cli")
     cases = {  # label: (arguments, exit code, what stderr must say)
@@ -345,7 +387,15 @@ def test_errors_and_help(pipeline: Path, tmp_path: Path) -> None:
         ),
         "nobody serves": (["status", "--name", nobody], 1, [f"no producer is serving {nobody} (ipc://"]),
         "demo help": (["demo", "--help"], 0, []),
+        # (boom: the device is refused before the pipeline is loaded)
+        "bad device": (["serve", f"{pipeline}:boom", "--device", "tpu"], 2, ["--device: device must be"]),
     }
+    if not torch.cuda.is_available() and os.environ.get("TENSORSOCKET_FAKE_CUDA") != "1":
+        cases["no GPU"] = (
+            ["serve", f"{pipeline}:boom", "--device", "cuda"],
+            2,
+            ["--device cuda: the cuda transport needs a CUDA GPU", "device='cpu'"],
+        )
     # serve cases get a name each: they run at once, and a name in use would be refused
     procs = {
         label: start(*args, *(["--name", unique_name("cli")] if args[0] == "serve" else []))

@@ -122,16 +122,21 @@ def test_copy_true_gives_private_batches_and_no_error(name):
         server.join(timeout=10)
 
 
-def test_holding_every_slot_and_asking_for_more_raises_instead_of_hanging(name):
+@pytest.mark.parametrize(
+    ("prefetch", "held", "bound"), [(None, 2, r"the producer's slots=2"), (1, 1, r"prefetch=1")]
+)
+def test_holding_every_slot_and_asking_for_more_raises_instead_of_hanging(name, prefetch, held, bound):
     producer = Producer(NestedLoader(6), name=name, slots=2, replay=0)
     server = serving(producer)
     try:
-        with Consumer(name=name) as consumer:
+        with Consumer(name=name, prefetch=prefetch) as consumer:
             kept = []
-            with pytest.raises(TensorSocketError, match="holds 2 batches"):
+            with pytest.raises(
+                TensorSocketError, match=rf"holds {held} batches, all it may hold \({bound}\)"
+            ):
                 for batch in consumer:
                     kept.append(batch)
-            assert len(kept) == 2
+            assert len(kept) == held
     finally:
         producer.close()
         server.join(timeout=10)

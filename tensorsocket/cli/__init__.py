@@ -21,6 +21,7 @@ import argparse
 import os
 import sys
 
+from ..errors import TensorSocketError
 from ..pipeline import PipelineError
 from ..status import bottleneck
 from . import demo, serve, status, sweep
@@ -71,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, PipelineError) as exc:
         error(str(exc))
         return EXIT_USAGE
-    except (RuntimeError, PermissionError) as exc:  # e.g. "already serving", a bad runtime dir
+    # e.g. "already serving", a bad runtime dir, a GPU path the producer cannot open
+    except (RuntimeError, PermissionError, TensorSocketError) as exc:
         error(str(exc))
         return EXIT_FAIL
     except BrokenPipeError:  # stdout closed (status | head): stop quietly

@@ -224,21 +224,47 @@ def _describe_setup(args: argparse.Namespace, options: dict[str, Any]) -> str:
     return f"{waiting}; {args.slots} slots, {replay}; {pace}"
 
 
+def check_device(device: str) -> None:
+    """``--device`` before anything is loaded: a device the producer takes, and for a GPU one,
+    a GPU path that works on this machine (UsageError saying why not, in one line)."""
+    from ..errors import GpuPathError
+    from ..transport import parse_device
+    from ..transport.device import backend
+
+    try:
+        parsed = parse_device(device)
+    except ValueError as exc:
+        raise UsageError(f"--device: {exc}") from None
+    if parsed.type == "cuda":
+        try:
+            backend()
+        except GpuPathError as exc:
+            raise UsageError(f"--device {device}: {exc}") from None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     options = producer_options(args)  # usage errors first: before logging is set up
     endpoint = resolve(args)
+    check_device(args.device)
     _configure_logging(args.log_level)
 
     from ..producer import Producer
 
     stopping = threading.Event()
+    serving_pid = os.getpid()
 
     def on_signal(signum: int, frame: Any) -> None:
+        if os.getpid() != serving_pid:  # a loader worker forked with this handler: as if we had none
+            signal.default_int_handler(signum, frame)  # (torch's workers set SIGTERM's themselves)
         if stopping.is_set():
             log.warning("already stopping; waiting up to %g s for consumers to take the end", args.linger)
             return
         stopping.set()
         log.info("%s: ending the stream", signal.Signals(signum).name)
+        # The loader's workers got the signal too when it went to the process group (Ctrl-C,
+        # `systemctl stop`, `timeout`): their deaths are expected now, and torch's SIGCHLD
+        # handler would raise for them in the middle of the clean end.
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         raise KeyboardInterrupt
 
     previous = {}

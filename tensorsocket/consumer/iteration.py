@@ -297,9 +297,10 @@ class Batches:
         gc.collect()  # batches kept alive only by reference cycles
         live = len(self.shared.live)
         if live >= limit:
+            bound = f"prefetch={limit}" if limit < self.slots else f"the producer's slots={self.slots}"
             raise Hoarding(
-                f"this consumer holds {live} batches, all it may hold (prefetch={self.settings.prefetch}, "
-                f"producer slots={self.slots}), and waits for another: that can never arrive. "
+                f"this consumer holds {live} batches, all it may hold ({bound}), "
+                "and waits for another: that can never arrive. "
                 "Drop references to old batches, use Consumer(copy=True), or give the producer "
                 "more slots"
             )

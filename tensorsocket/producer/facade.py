@@ -94,6 +94,11 @@ class Producer:
         self.samples_per_epoch = _samples_per_epoch(loader)
         self._closed = True  # until everything below exists: nothing to close, no warning
         self._close_lock = threading.RLock()
+        # Under skip the leader's window, a straggler's unsent batches (up to max_lag behind
+        # it) and the batches each of them holds must all fit with room to spare, or the
+        # leader would be paced by the straggler's releases.
+        flow = Flow(window=slots, places=slots * (3 if stragglers == "skip" else 1), max_lag=max_lag)
+        # (made before the name is locked: it refuses a max_lag out of range)
         self._lock_file = endpoints.lock(self.endpoint)
         try:
             pool = LoaderPool(loader)
@@ -103,10 +108,6 @@ class Producer:
             self._release_lock()
             raise
         self.device = store.device
-        # Under skip the leader's window, a straggler's unsent batches (up to max_lag behind
-        # it) and the batches each of them holds must all fit with room to spare, or the
-        # leader would be paced by the straggler's releases.
-        flow = Flow(window=slots, places=slots * (3 if stragglers == "skip" else 1), max_lag=max_lag)
         if resumed is not None:
             flow.start_at(resumed.epoch, resumed.first_seq, resumed.index)
         config = Config(
