@@ -609,7 +609,8 @@ def test_bad_compact_frames_are_rejected(frame: bytes) -> None:
 
 @pytest.mark.parametrize(
     "frame",
-    [f for k, f in BAD_COMPACT.items() if k.startswith("batch")] + [_GOOD_BATCH[:2], protocol.encode_release([1])],
+    [f for k, f in BAD_COMPACT.items() if k.startswith("batch")]
+    + [_GOOD_BATCH[:2], protocol.encode_release([1])],
     ids=[k for k in BAD_COMPACT if k.startswith("batch")] + ["only the head", "a release"],
 )
 def test_decode_batch_rejects_what_decode_rejects_and_anything_but_a_compact_batch(frame: bytes) -> None:

@@ -199,4 +199,6 @@ def test_messages_sent_together_are_applied_in_order_one_read_at_a_time(name, mo
     assert status["bad_messages"] == 1
     assert garbage in left, "the garbage never went through the hand-over"
     by_publisher = [who for who, _ in applied if who != "tensorsocket-producer-io"]
-    assert len(by_publisher) >= 3, f"the burst's heartbeats were not applied by the publishing thread: {applied}"
+    assert len(by_publisher) >= 3, (
+        f"the burst's heartbeats were not applied by the publishing thread: {applied}"
+    )
