@@ -416,6 +416,14 @@ def test_errors_and_help(pipeline: Path, tmp_path: Path) -> None:
     assert "--trainers" in outputs["demo help"] and "--images" in outputs["demo help"]
 
 
+def test_serve_refuses_a_gpu_this_process_cannot_see_before_loading(pipeline: Path) -> None:
+    env = {**os.environ, "TENSORSOCKET_FAKE_CUDA": "1"}  # (the stand-in sees 2 GPUs)
+    args = ["serve", f"{pipeline}:boom", "--name", unique_name("cli"), "--device", "cuda:7"]
+    done = subprocess.run(command(*args), cwd=ROOT, env=env, capture_output=True, text=True, timeout=90)
+    assert done.returncode == 2, done.stderr
+    assert "--device cuda:7: this process sees 2 GPU(s)" in done.stderr and "Traceback" not in done.stderr
+
+
 def test_parsing_in_process(pipeline: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert parse_pipeline("producer.synthetic:make_loader") == ("producer.synthetic", "make_loader", False)
     assert parse_pipeline("./x.py:make") == ("./x.py", "make", True)

@@ -237,9 +237,11 @@ def check_device(device: str) -> None:
         raise UsageError(f"--device: {exc}") from None
     if parsed.type == "cuda":
         try:
-            backend()
+            seen = len(backend().visible_uuids())
         except GpuPathError as exc:
             raise UsageError(f"--device {device}: {exc}") from None
+        if not seen or (parsed.index or 0) >= seen:
+            raise UsageError(f"--device {device}: this process sees {seen} GPU(s) (CUDA_VISIBLE_DEVICES?)")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
