@@ -346,11 +346,16 @@ def build(tree: Any, leaves: list[Leaf], region: torch.Tensor | np.ndarray, copy
     ``copy=True`` returns private copies and keeps no reference to ``region``. NumPy leaves
     are marked read-only; from a GPU region they are host copies (NumPy lives on the host).
     """
-    base = torch.from_numpy(region) if isinstance(region, np.ndarray) else region
+    # Host leaves get storages of their own: torch.save() refuses leaves sharing one as other dtypes
+    host_array = region if isinstance(region, np.ndarray) else None
+    base = torch.from_numpy(region) if host_array is not None else region
     on_host = base.device.type == "cpu"
 
     def leaf_value(tag: str, leaf: Leaf) -> Any:
-        raw = base[leaf.offset : leaf.offset + leaf.nbytes]
+        end = leaf.offset + leaf.nbytes
+        raw = (
+            base[leaf.offset : end] if host_array is None else torch.from_numpy(host_array[leaf.offset : end])
+        )
         if tag == TENSOR:
             if leaf.nbytes == 0:  # a zero-size slice has stride 0 and cannot be reinterpreted
                 return torch.empty(leaf.shape, dtype=TORCH_DTYPES[leaf.dtype], device=base.device)

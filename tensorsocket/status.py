@@ -174,8 +174,9 @@ def time_shares(status: ProducerStatus, previous: ProducerStatus | None = None) 
     """Where the producer's time went, as shares of its uptime (or, given the previous
     snapshot of the same producer, of the time since): ``loader`` (in next(loader)),
     ``slot`` (waiting for the slowest consumer to free a slot), ``write`` (writing and
-    announcing batches) and ``idle`` (the rest: waiting for consumers to join, or a wait
-    still in progress, which is counted once it ends). Plus ``span``, the seconds covered."""
+    announcing batches) and ``idle`` (the rest: waiting for consumers to join, or a loader
+    wait still in progress, which is counted once it ends; a wait for a slot is counted while
+    it lasts). Plus ``span``, the seconds covered."""
     loader_wait, slot_wait = float(status["loader_wait"]), float(status["slot_wait"])
     publish_time, span = float(status["publish_time"]), float(status["uptime_s"])
     if previous is not None and same_producer(status, previous):

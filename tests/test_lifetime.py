@@ -4,6 +4,7 @@ check_writes=True, are caught); hoarding is an error."""
 from __future__ import annotations
 
 import gc
+import io
 import logging
 import signal
 import subprocess
@@ -15,7 +16,7 @@ import weakref
 import pytest
 import torch
 
-from tensorsocket import BatchModified, Consumer, Producer, TensorSocketError
+from tensorsocket import BatchModified, Closed, Consumer, Producer, TensorSocketError
 from tests.support import NestedLoader, expected_batch, same, start_consumers, wait_until
 
 
@@ -117,6 +118,28 @@ def test_copy_true_gives_private_batches_and_no_error(name):
                 batch[0].mul_(2)  # private: allowed
                 seen += 1
             assert seen == 5
+    finally:
+        producer.close()
+        server.join(timeout=10)
+
+
+def test_a_batch_saves_with_torch_save_as_a_dataloader_batch_does(name):
+    """Leaves of several dtypes: the first batch of a layout (built the long way) and later
+    ones (compiled) save and load bit for bit. torch.save refused the first when its leaves
+    were slices of one storage; a leaf saved alone holds only its own bytes."""
+    producer = Producer(NestedLoader(3), name=name, replay=0)
+    server = serving(producer)
+    try:
+        with Consumer(name=name) as consumer:
+            for i, batch in enumerate(consumer):
+                saved = io.BytesIO()
+                torch.save(batch, saved)
+                saved.seek(0)
+                assert same(torch.load(saved, weights_only=False), expected_batch(i, 3))
+                image = batch[0][0]
+                alone = io.BytesIO()
+                torch.save(image, alone)
+                assert alone.tell() < image.nbytes + 4096
     finally:
         producer.close()
         server.join(timeout=10)
@@ -261,3 +284,43 @@ def test_a_consumer_dropped_without_close_leaves_instead_of_stalling_everyone(na
         assert not server.is_alive()
     finally:
         producer.close()
+
+
+def test_a_forked_child_cannot_use_the_consumer_it_inherited_and_the_parent_stays_exact(name):
+    """The child shares the parent's connection: reading it took the parent's next batch, and
+    the parent then failed. Now the child's next(), iter() and close() refuse or do nothing."""
+    import os
+
+    producer = Producer(NestedLoader(6), name=name, replay=0)
+    server = serving(producer)
+    try:
+        with Consumer(name=name, timeout=10) as consumer:
+            it = iter(consumer)
+            got = [next(it)]
+            read, write = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # the child: report what each call did, then leave at once
+                said = []
+                for call in (lambda: next(it), lambda: iter(consumer)):
+                    try:
+                        call()
+                        said.append("took a batch")
+                    except Closed as exc:
+                        said.append("Closed: " + str(exc))
+                    except BaseException as exc:
+                        said.append(type(exc).__name__)
+                consumer.close()
+                os.write(write, "\n".join(said).encode())
+                os._exit(0)
+            os.close(write)
+            _, status = os.waitpid(pid, 0)
+            with os.fdopen(read) as pipe:
+                said = pipe.read().split("\n")
+            assert status == 0
+            assert len(said) == 2 and all(s.startswith("Closed: ") for s in said), said
+            assert "forked child cannot use it" in said[0] and str(os.getpid()) in said[0]
+            got.extend(it)
+            assert len(got) == 6 and all(same(b, expected_batch(i, 6)) for i, b in enumerate(got))
+    finally:
+        producer.close()
+        server.join(timeout=10)

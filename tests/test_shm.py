@@ -342,3 +342,42 @@ finally:
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.split() == ["quiet"], done.stderr[-2000:]
+
+
+def test_other_threads_run_while_a_large_place_is_made():
+    """Populating a new segment holds the GIL in madvise(): in one call, a 2 GiB place kept the
+    producer's I/O thread (its heartbeats) waiting ~1 s. It is populated a piece at a time, so
+    another Python thread runs between the pieces. (Relative, not a speed figure: the longest
+    the other thread waited against the time the whole mapping took.)"""
+    import threading
+    import time
+
+    gaps: list[float] = []
+    stop = threading.Event()
+
+    def tick() -> None:
+        last = time.monotonic()
+        while not stop.is_set():
+            time.sleep(0.002)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    path = os.path.join(SHM_DIR, f"{PREFIX}test-populate-{os.getpid()}")
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        time.sleep(0.05)
+        gaps.clear()
+        started = time.monotonic()
+        mm = shm._map(path, 512 << 20, create=True)
+        took = time.monotonic() - started
+        stop.set()
+        ticker.join()
+        mm.close()
+    finally:
+        stop.set()
+        ticker.join()
+        if os.path.exists(path):
+            os.unlink(path)
+    assert max(gaps) < 0.3 * took, (max(gaps), took)

@@ -156,6 +156,23 @@ def test_bottleneck() -> None:
     assert bottleneck(producer(pid=43, uptime_s=13.0), producer()) == "the loader"
 
 
+def test_a_wait_for_a_free_slot_counts_while_it_lasts() -> None:
+    """A consumer that holds every slot and takes no more: the producer's wait for a place is
+    in slot_wait while it lasts, so one snapshot names that consumer, not the loader (the wait
+    was counted only once it ended: a stall looked idle, and the loader was blamed)."""
+    name = unique_name("status")
+    producer = Producer(NestedLoader(8), name=name, slots=2, replay=0)
+    with serving(producer, 1), Consumer(name=name, timeout=10, label="holder") as consumer:
+        it = iter(consumer)
+        held = [next(it), next(it)]  # both slots: the producer waits for one
+        wait_until(lambda: producer.status()["slot_wait"] > 0.5, 10, "the wait to count", interval=0.05)
+        status = producer.status()
+        assert status["published"] == 2 and status["publish_time"] >= status["slot_wait"]
+        assert bottleneck(status) == "the slowest consumer (holder)"
+        del held
+        assert sum(1 for _ in it) == 6
+
+
 def test_check_names_missing_keys() -> None:
     assert check(producer()) == producer()
     partial: dict[str, Any] = dict(producer())

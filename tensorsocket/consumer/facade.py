@@ -32,6 +32,18 @@ log = logging.getLogger("tensorsocket")
 
 _UNLIMITED_PREFETCH = 1 << 16
 _READER_SETUP_S = 120.0  # beyond the handshake's timeout: a first CUDA context can take a while
+#: The open Consumers of this process. A forked child shares their connections with its parent,
+#: so one it inherited must not read or send there (it took the parent's next batch, and the
+#: parent then failed on a layout it had never seen): each one refuses in the child.
+_OPEN: weakref.WeakSet[Consumer] = weakref.WeakSet()
+
+
+def _inherited_by_a_fork() -> None:
+    for consumer in list(_OPEN):
+        consumer._forked()
+
+
+os.register_at_fork(after_in_child=_inherited_by_a_fork)
 
 
 class Consumer:
@@ -184,6 +196,9 @@ class Consumer:
             self.batches_per_epoch,
         )  # fmt: skip
         self._closed = False
+        self._fork_error: Closed | None = None
+        self._made_in = os.getpid()
+        _OPEN.add(self)
         # At interpreter exit (or when dropped), stop the thread before zmq is torn down
         # under it: a daemon thread still using its socket then aborts the process. The
         # thread holds the shared record, not this object, so a dropped Consumer is
@@ -277,7 +292,16 @@ class Consumer:
         if self._closed:
             return
         self._closed = True
-        self._leave()
+        _OPEN.discard(self)
+        if self._fork_error is None:  # (in a forked child, what it shares stays the parent's)
+            self._leave()
+
+    def _forked(self) -> None:
+        """In a forked child: refuse from now on (see _OPEN)."""
+        self._fork_error = self._batches.error = Closed(
+            f"this consumer of {self.endpoint} was made in process {self._made_in}, and this forked child "
+            "cannot use it: its batches and connection are its parent's. Make a Consumer in the child"
+        )
 
     def _leave(self) -> None:
         """Stop the I/O thread (it says BYE), drop what it queued, close the reader."""
@@ -303,6 +327,8 @@ class Consumer:
             warnings.warn(f"Consumer of {self.endpoint} was not closed", ResourceWarning, stacklevel=1)
 
     def _check_open(self) -> None:
+        if self._fork_error is not None:
+            raise self._fork_error
         if self._closed:
             raise Closed(f"consumer of {self.endpoint} is closed")
 

@@ -97,7 +97,11 @@ class Publisher:
             self.replay.check_newest()
         encoded, key = self.last_layout.encode(plan)  # (outside the lock: a large layout packs slowly)
         t_place = time.perf_counter()
-        place, check = self._reserve()
+        shared.place_wait_since = time.monotonic()
+        try:
+            place, check = self._reserve()
+        finally:
+            shared.place_wait_since = None
         place_wait = time.perf_counter() - t_place
         try:
             fingerprint = shared.write(place, plan, check)

@@ -40,6 +40,7 @@ PREFIX = "tensorsocket-"
 _PAGE = mmap.PAGESIZE
 # Linux's number, where Python has no name for it
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+_POPULATE_PIECE = 16 << 20  # bytes populated per madvise() call (a multiple of the page size)
 # What a consumer accepts as an announced segment name: one file directly in SHM_DIR.
 _SEGMENT_NAME = re.compile(re.escape(PREFIX) + r"[A-Za-z0-9_.-]{1,200}")
 
@@ -126,7 +127,11 @@ def _map(path: str, size: int, create: bool, writable: bool = True) -> mmap.mmap
             # same (benchmarks.new_place).
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
             try:
-                mm.madvise(_MADV_POPULATE_WRITE)
+                # A piece at a time: madvise() holds the GIL, and a 2 GiB segment took ~1 s
+                # here, during which the I/O thread sent no heartbeat (a consumer with a short
+                # timeout gave the producer up for lost).
+                for start in range(0, size, _POPULATE_PIECE):
+                    mm.madvise(_MADV_POPULATE_WRITE, start, min(_POPULATE_PIECE, size - start))
                 return mm
             except OSError:  # an older kernel: MAP_POPULATE below
                 mm.close()
