@@ -352,10 +352,8 @@ def build(tree: Any, leaves: list[Leaf], region: torch.Tensor | np.ndarray, copy
     on_host = base.device.type == "cpu"
 
     def leaf_value(tag: str, leaf: Leaf) -> Any:
-        end = leaf.offset + leaf.nbytes
-        raw = (
-            base[leaf.offset : end] if host_array is None else torch.from_numpy(host_array[leaf.offset : end])
-        )
+        at, end = leaf.offset, leaf.offset + leaf.nbytes
+        raw = base[at:end] if host_array is None else torch.from_numpy(host_array[at:end])
         if tag == TENSOR:
             if leaf.nbytes == 0:  # a zero-size slice has stride 0 and cannot be reinterpreted
                 return torch.empty(leaf.shape, dtype=TORCH_DTYPES[leaf.dtype], device=base.device)

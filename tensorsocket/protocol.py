@@ -19,8 +19,9 @@ from typing import Any
 import msgpack
 
 from .errors import ProtocolError
+from .options import STRAGGLERS
 
-VERSION = 10
+VERSION = 11
 #: Largest frame a consumer may send; the producer also sets ZMQ_MAXMSGSIZE to this.
 MAX_REQUEST_BYTES = 64 * 1024
 #: Largest frame a producer may send (a BATCH whose layout has very many leaves).
@@ -181,6 +182,7 @@ SCHEMA: dict[Kind, dict[str, Callable[[Any], bool]]] = {
         "batches": _opt(_int()),
         "samples": _opt(_int()),
         "slots": _int(1, 1 << 16),
+        "stragglers": lambda v: v in STRAGGLERS,  # "stall": a consumer that takes nothing stops the others
         "transport": lambda v: v in TRANSPORTS,
         "gpu": _opt(_str(96)),
         "arenas": lambda v: type(v) is list and len(v) <= 1 << 16 and all(map(_arena, v)),

@@ -358,6 +358,7 @@ class FakeProducer:
                 batches=1,
                 samples=None,
                 slots=1,
+                stragglers="stall",
                 transport="shm",
                 gpu=None,
                 arenas=self.arenas,

@@ -35,6 +35,7 @@ VALID: dict[str, Any] = {
     "timeout": 30.0,
     "batches": 100,
     "slots": 8,
+    "stragglers": "skip",
     "arenas": [["shm", 0, "/tensorsocket-abc-0", 1 << 20], ["cuda", 1, b"h" * 64, 1 << 21, "GPU-1"]],
     "transport": "cuda",
     "gpu": "GPU-8f2c3a4e-0000-4000-8000-000000000000",
@@ -78,6 +79,7 @@ EDGES: dict[str, list[Any]] = {
     "timeout": [0.05, 86400.0, 1, 86400],
     "batches": [None, 0, 2**63 - 1],
     "slots": [1, 1 << 16],
+    "stragglers": ["stall", "skip"],
     "arenas": [[], [["shm", 1 << 16, "n" * 255, 1 << 48]], [["shm", 0, "", 0]], [["cuda", 0] + [0] * 6]],
     "transport": ["shm", "cuda"],
     "gpu": [None, "", "g" * 96],
@@ -122,6 +124,7 @@ BAD: dict[str, list[Any]] = {
     "timeout": [0.0, 0.04, 86400.5, -1.0, float("nan"), float("inf"), "30", None, True],
     "batches": [-1, 1.5, True, "1", [1]],
     "slots": [0, (1 << 16) + 1, None, True, 1.0],
+    "stragglers": ["", "Stall", None, 0, ["skip"]],
     "arenas": [
         None,
         "arena",

@@ -193,7 +193,7 @@ class Consumer:
             self._rebatcher.flush()
         self._batches = Batches(
             shared, settings, self._io, self._conn, self.slots, self._rebatcher, welcome["stream"], restored,
-            self.batches_per_epoch,
+            self.batches_per_epoch, welcome["stragglers"] == "stall",
         )  # fmt: skip
         self._closed = False
         self._fork_error: Closed | None = None

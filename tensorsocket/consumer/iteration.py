@@ -16,7 +16,7 @@ from typing import Any
 
 from ..errors import BatchModified, Hoarding, ProducerLost
 from ..rebatch import Rebatcher, batch_length
-from . import resume
+from . import resume, siblings
 from .caller_turn import CallerTurns
 from .inbox import Inbox
 from .resume import Position
@@ -39,8 +39,14 @@ class Batches:
         stream: str = "",
         restored: Position | None = None,
         batches_per_epoch: int | None = None,
+        stall: bool = True,
     ) -> None:
         self.shared, self.settings, self.io = shared, settings, io
+        # For siblings: the producer waits for the slowest (stragglers="stall"), the thread that
+        # made this consumer and the last to iterate it, its last batch's seq, and a warning given
+        self.stall, self.made_in, self.thread = stall, threading.get_ident(), None
+        self.taken_seq, self.warned = -1, False
+        siblings.register(self)
         self.turns = CallerTurns(shared, inbox, io, settings.endpoint)
         self.slots, self.rebatcher = slots, rebatcher
         self.group_size = 1 if settings.group is None else settings.group[2]  # 1: not in a group
@@ -71,6 +77,7 @@ class Batches:
     def start_epoch(self) -> None:
         """A new epoch: if the previous one's loop was left early, skip the rest of it (as a
         new DataLoader iterator starts a new epoch)."""
+        self.thread = threading.get_ident()
         while self.mid_epoch:
             try:
                 self.next_batch()
@@ -91,6 +98,7 @@ class Batches:
     def next_for_user(self) -> Any:
         """The next batch in this consumer's batch size; StopIteration at the epoch's end."""
         shared = self.shared
+        self.thread = threading.get_ident()
         t0 = shared.wait_started = time.monotonic()
         try:
             batch = self.next_batch() if self.rebatcher is None else self._next_rebatched()
@@ -199,7 +207,7 @@ class Batches:
         shared = self.shared
         if shared.violations:  # (asked here: each call on the per-batch path costs a few us)
             self._check_violation()
-        kind, payload = self.turns.take(self._check_hoarding)
+        kind, payload = self.turns.take(self._check_waiting)
         while kind in (SKIPPED, RESTARTED):
             if kind == SKIPPED:
                 self._note_skipped(payload)
@@ -207,7 +215,7 @@ class Batches:
                 self.stream, again = payload
                 if again:
                     self.repeated = (self.repeated or 0) + again
-            kind, payload = self.turns.take(self._check_hoarding)
+            kind, payload = self.turns.take(self._check_waiting)
         if kind in (BATCH, EPOCH_END):
             self._note_position(kind, *((payload[1], payload[2]) if kind == BATCH else (payload, 0)))
         if kind == BATCH:
@@ -218,6 +226,7 @@ class Batches:
                 raise self.error
             self.mid_epoch = True
             batch, epoch, index, seq, token, release, self.samples, reader = payload
+            self.taken_seq = seq
             # Counted as held from here (not when built): the hoarding check must not count a
             # batch the I/O thread is still building or queueing. A batch delivered as a copy
             # dropped its views in the I/O thread already: it holds nothing.
@@ -289,6 +298,11 @@ class Batches:
                 raise ProducerLost(
                     f"the producer at {self.settings.endpoint} did not answer after this process was frozen"
                 )
+
+    def _check_waiting(self) -> None:
+        """Each TICK of a wait in next(): raise rather than wait for a batch that cannot come."""
+        self._check_hoarding()
+        siblings.check(self)
 
     def _check_hoarding(self) -> None:
         limit = min(self.settings.prefetch, self.slots)

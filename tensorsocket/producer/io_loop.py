@@ -39,9 +39,8 @@ class IoLoop:
     def __init__(self, shared: Shared, endpoint: str, owner: object) -> None:
         self.shared = shared
         self._bound: queue.SimpleQueue[str | BaseException] = queue.SimpleQueue()
-        # ``owner``, the Producer, is kept alive by the thread's arguments while it serves, and
-        # let go when it ends (Thread.run drops them); kept longer, a closed producer and its
-        # DataLoader would wait for the garbage collector, where torch's iterator waits 5 s a worker
+        # ``owner`` (the Producer) lives in the thread's arguments while it serves, let go when it ends:
+        # kept longer, a closed producer's DataLoader would wait for the GC (torch waits 5 s a worker)
         self.thread = threading.Thread(
             target=self._run, args=(endpoint, owner), name="tensorsocket-producer-io", daemon=True
         )
@@ -282,6 +281,7 @@ class IoLoop:
             batches=config.batches_per_epoch,
             samples=config.samples_per_epoch,
             slots=config.slots,
+            stragglers=config.stragglers,
             transport=transport,
             gpu=shared.store.gpu if transport == shared.store.kind else None,
             arenas=[d for d in shared.store.describe() if d[0] == transport],

@@ -1,0 +1,114 @@
+"""Consumers of one stream in one process (consumer/siblings.py): a thread that takes them in
+turn under stragglers="stall" gets an error (or, while the other was never iterated, a
+warning) instead of a wait that never ends; programs that are right are left alone."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from tensorsocket import Consumer, Hoarding, Producer
+from tests.support import NestedLoader, expected_batch, same, serving
+
+TIMEOUT = 0.5  # each consumer's: how long a wait lasts before it asks
+
+
+def _ids(batches: int) -> list[torch.Tensor]:
+    return [torch.full((4,), float(i)) for i in range(batches)]
+
+
+def _in_a_thread(body: Any, limit: float = 30.0) -> list[BaseException]:
+    """Run ``body`` in a thread of its own (so a hang fails the test, it does not stall it)."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            body()
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(limit)
+    assert not thread.is_alive(), "the wait did not end"
+    return errors
+
+
+def test_two_consumers_taken_in_turn_by_one_thread_raise_instead_of_waiting_forever(name: str) -> None:
+    producer = Producer(_ids(12), name=name, slots=2, replay=0, min_consumers=2)
+    with serving(producer, 1):
+        first = Consumer(name=name, timeout=TIMEOUT, label="first")
+        second = Consumer(name=name, timeout=TIMEOUT, label="second")
+        taken: list[float] = []
+
+        def in_turn() -> None:
+            next(iter(second))  # this thread iterated it: it is this thread's to move on
+            for batch in first:
+                taken.append(float(batch[0]))
+
+        started = time.monotonic()
+        try:
+            [error] = _in_a_thread(in_turn)
+        finally:
+            first.close()
+            second.close()
+        assert isinstance(error, Hoarding) and "'second'" in str(error) and "zip" in str(error)
+        # (second took and dropped batch 0: its place held batch 2; batch 3's needs batch 1's)
+        assert taken == [0.0, 1.0, 2.0] and time.monotonic() - started < 20
+
+
+def test_one_made_here_and_never_iterated_gets_a_warning_and_may_still_be_taken(
+    name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The other thread that will take it may still be setting up: warn, never raise."""
+    producer = Producer(_ids(12), name=name, slots=2, replay=0, min_consumers=2)
+    warned = threading.Event()
+
+    class Watch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "not iterated yet" in record.getMessage():
+                warned.set()
+
+    watch = Watch()
+    logging.getLogger("tensorsocket").addHandler(watch)
+    try:
+        with serving(producer, 1), Consumer(name=name, timeout=TIMEOUT, label="first") as first:
+            with Consumer(name=name, timeout=TIMEOUT, label="late") as late:
+                late_taken: list[float] = []
+
+                def late_starter() -> None:  # takes `late` only once the warning was given
+                    assert warned.wait(20)
+                    late_taken.extend(float(batch[0]) for batch in late)
+
+                starter = threading.Thread(target=late_starter, daemon=True)
+                starter.start()
+                taken = [float(batch[0]) for batch in first]
+                starter.join(20)
+                assert taken == late_taken == [float(i) for i in range(12)]
+    finally:
+        logging.getLogger("tensorsocket").removeHandler(watch)
+    assert warned.is_set()
+
+
+def test_skipping_stragglers_and_zip_over_a_slow_loader_are_left_alone(name: str) -> None:
+    """Under stragglers="skip" the producer does not wait for the other one; in zip() each
+    takes its turn, and a loader slower than the consumers' timeout is no deadlock."""
+    producer = Producer(_ids(12), name=name, slots=2, replay=0, min_consumers=2, stragglers="skip")
+    with serving(producer, 1):
+        with Consumer(name=name, timeout=TIMEOUT) as first, Consumer(name=name, timeout=TIMEOUT) as second:
+            next(iter(second))
+            assert [float(b[0]) for b in first] == [float(i) for i in range(12)]
+    # (slots=4: zip's cached result tuple keeps an old pair alive, a batch more held by each)
+    slow = Producer(NestedLoader(6, delay=3 * TIMEOUT), name=name + "z", slots=4, replay=0, min_consumers=2)
+    with serving(slow, 1):
+        with Consumer(name=name + "z", timeout=TIMEOUT) as a, Consumer(name=name + "z", timeout=TIMEOUT) as b:
+            count = 0
+            for i, (x, y) in enumerate(zip(a, b, strict=True)):
+                assert same(x, expected_batch(i, 6)) and same(y, expected_batch(i, 6))
+                count += 1
+            assert count == 6
