@@ -45,7 +45,11 @@ def holding_back(waiting: Any) -> tuple[Any, bool] | None:
     if not waiting.stall or waiting.group_size != 1 or needed < 0:
         return None
     me, endpoint = threading.get_ident(), waiting.settings.endpoint
-    for other in list(_ALL):
+    try:
+        others = list(_ALL)
+    except RuntimeError:  # another thread made or dropped a consumer meanwhile: ask next TICK
+        return None
+    for other in others:
         if other is waiting or other.settings.endpoint != endpoint or other.group_size != 1:
             continue
         shared = other.shared
