@@ -7,6 +7,7 @@ consumer's connection is read under the producer's lock, by the I/O thread or, i
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import time
@@ -34,6 +35,7 @@ class Sessions:
             except OSError as exc:
                 log.warning("no sessions (%s): every consumer's messages go over ZeroMQ", exc)
         self._tokens: dict[str, Hashable] = {}  # offered in a WELCOME, not yet used
+        self._left: collections.deque[str] = collections.deque(maxlen=64)  # theirs left unused
         self._unbound: dict[int, tuple[session.Connection, float]] = {}  # by fd: and its deadline
         self._accept_from = 0.0  # (monotonic) when the listener is polled again after a failure
         self.by_cid: dict[Hashable, session.Connection] = {}
@@ -96,13 +98,21 @@ class Sessions:
         if frame is None:
             return None
         del self._unbound[fd]
+        token = None
         try:
             kind, msg = protocol.decode(frame) if frame else (None, {})
-            cid = self._tokens.pop(msg["token"], None) if kind is Kind.SESSION else None
+            token = msg["token"] if kind is Kind.SESSION else None
         except ProtocolError:
-            cid = None
+            pass
+        cid = self._tokens.pop(token, None) if token is not None else None
         if cid is None or cid not in peers or cid in self.by_cid:
-            log.warning("closed a session connection that did not present a valid token")
+            # (a consumer that left at once, before its session was read, is no intruder)
+            left = (cid is not None and cid not in peers) or token in self._left
+            log.log(
+                logging.DEBUG if left else logging.WARNING,
+                "closed a session connection that did not present a valid token%s",
+                " (its consumer had left)" if left else "",
+            )
             conn.close()
             return None
         return cid, conn
@@ -151,6 +161,7 @@ class Sessions:
         for token, owner in list(self._tokens.items()):
             if owner == cid:
                 del self._tokens[token]
+                self._left.append(token)
 
     def unbound(self, fd: int) -> bool:
         return fd in self._unbound
