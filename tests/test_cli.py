@@ -391,8 +391,8 @@ def test_errors_and_help(pipeline: Path, tmp_path: Path) -> None:
         "bad device": (["serve", f"{pipeline}:boom", "--device", "tpu"], 2, ["--device: device must be"]),
     }
     if not torch.cuda.is_available() and os.environ.get("TENSORSOCKET_FAKE_CUDA") != "1":
-        cases["no GPU"] = (
-            ["serve", f"{pipeline}:boom", "--device", "cuda"],
+        cases["no GPU"] = (  # (after the pipeline: one that needs a GPU says so itself)
+            ["serve", f"{pipeline}:make", "--device", "cuda"],
             2,
             ["--device cuda: the cuda transport needs a CUDA GPU", "device='cpu'"],
         )
@@ -416,9 +416,9 @@ def test_errors_and_help(pipeline: Path, tmp_path: Path) -> None:
     assert "--trainers" in outputs["demo help"] and "--images" in outputs["demo help"]
 
 
-def test_serve_refuses_a_gpu_this_process_cannot_see_before_loading(pipeline: Path) -> None:
+def test_serve_refuses_a_gpu_this_process_cannot_see_in_one_line(pipeline: Path) -> None:
     env = {**os.environ, "TENSORSOCKET_FAKE_CUDA": "1"}  # (the stand-in sees 2 GPUs)
-    args = ["serve", f"{pipeline}:boom", "--name", unique_name("cli"), "--device", "cuda:7"]
+    args = ["serve", f"{pipeline}:make", "--name", unique_name("cli"), "--device", "cuda:7"]
     done = subprocess.run(command(*args), cwd=ROOT, env=env, capture_output=True, text=True, timeout=90)
     assert done.returncode == 2, done.stderr
     assert "--device cuda:7: this process sees 2 GPU(s)" in done.stderr and "Traceback" not in done.stderr

@@ -224,9 +224,10 @@ def _describe_setup(args: argparse.Namespace, options: dict[str, Any]) -> str:
     return f"{waiting}; {args.slots} slots, {replay}; {pace}"
 
 
-def check_device(device: str) -> None:
-    """``--device`` before anything is loaded: a device the producer takes, and for a GPU one,
-    a GPU path that works on this machine (UsageError saying why not, in one line)."""
+def check_device(device: str, gpu: bool) -> None:
+    """``--device``: a device the producer takes (checked before anything is loaded), and with
+    ``gpu``, for a GPU one, a GPU path that works on this machine (checked once the pipeline
+    was made: a pipeline that needs a GPU says so itself first); UsageError in one line."""
     from ..errors import GpuPathError
     from ..transport import parse_device
     from ..transport.device import backend
@@ -235,7 +236,7 @@ def check_device(device: str) -> None:
         parsed = parse_device(device)
     except ValueError as exc:
         raise UsageError(f"--device: {exc}") from None
-    if parsed.type == "cuda":
+    if gpu and parsed.type == "cuda":
         try:
             seen = len(backend().visible_uuids())
         except GpuPathError as exc:
@@ -247,7 +248,7 @@ def check_device(device: str) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     options = producer_options(args)  # usage errors first: before logging is set up
     endpoint = resolve(args)
-    check_device(args.device)
+    check_device(args.device, gpu=False)
     _configure_logging(args.log_level)
 
     from ..producer import Producer
@@ -284,6 +285,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if held is not None:
             held.close()
         loader = call_pipeline(function, args.pipeline, dict(args.args))
+        check_device(args.device, gpu=True)
         try:
             producer = Producer(loader, endpoint=endpoint, **options)
         except (TypeError, ValueError) as exc:
