@@ -96,8 +96,7 @@ class Publisher:
         if self.replay.kept.budget:
             self.replay.check_newest()
         encoded, key = self.last_layout.encode(plan)  # (outside the lock: a large layout packs slowly)
-        t_place = time.perf_counter()
-        shared.place_wait_since = time.monotonic()
+        t_place = shared.place_wait_since = time.perf_counter()
         try:
             place, check = self._reserve()
         finally:

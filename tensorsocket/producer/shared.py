@@ -120,7 +120,7 @@ class Shared:
             "restaged": 0,  # kept batches written into a place again for a joiner
             "bad_messages": 0,
         }
-        self.place_wait_since: float | None = None  # (monotonic) a wait for a free place began
+        self.place_wait_since: float | None = None  # (perf_counter) a wait for a free place began
         self.born = time.monotonic()
         self.publisher_at = 0.0  # (monotonic) the caller's thread last read the sessions; 0: handed over
         self.publisher_polling = False  # it sleeps in poll() on them (and on publisher_wakeup)
@@ -266,7 +266,7 @@ class Shared:
             )
         stats = dict(self.stats)
         if self.place_wait_since is not None:  # a wait still on: counted too, or a long stall looked idle
-            waited = now - self.place_wait_since
+            waited = time.perf_counter() - self.place_wait_since
             stats["slot_wait"] += waited
             stats["publish_time"] += waited
         stats = {k: round(v, 6) if isinstance(v, float) else v for k, v in stats.items()}
