@@ -159,6 +159,12 @@ def producer_options(args: argparse.Namespace) -> dict[str, Any]:
     stragglers = stragglers or "stall"
     if stragglers == "skip" and args.slots < 2:
         raise UsageError("--stragglers skip needs --slots 2 or more")
+    from ..transport import parse_device  # (torch: serve needs it anyway)
+
+    try:
+        parse_device(args.device)
+    except ValueError as exc:
+        raise UsageError(f"--device: {exc}") from None
     return {
         "device": args.device,
         "slots": args.slots,
@@ -224,31 +230,28 @@ def _describe_setup(args: argparse.Namespace, options: dict[str, Any]) -> str:
     return f"{waiting}; {args.slots} slots, {replay}; {pace}"
 
 
-def check_device(device: str, gpu: bool) -> None:
-    """``--device``: a device the producer takes (checked before anything is loaded), and with
-    ``gpu``, for a GPU one, a GPU path that works on this machine (checked once the pipeline
-    was made: a pipeline that needs a GPU says so itself first); UsageError in one line."""
+def check_gpu(device: str) -> None:
+    """A GPU ``--device`` (its name checked by :func:`producer_options`) names a GPU this
+    process sees, through a GPU path that works here; UsageError in one line. Asked once the
+    pipeline was made: a pipeline that needs a GPU says so itself first."""
     from ..errors import GpuPathError
     from ..transport import parse_device
     from ..transport.device import backend
 
+    parsed = parse_device(device)
+    if parsed.type != "cuda":
+        return
     try:
-        parsed = parse_device(device)
-    except ValueError as exc:
-        raise UsageError(f"--device: {exc}") from None
-    if gpu and parsed.type == "cuda":
-        try:
-            seen = len(backend().visible_uuids())
-        except GpuPathError as exc:
-            raise UsageError(f"--device {device}: {exc}") from None
-        if not seen or (parsed.index or 0) >= seen:
-            raise UsageError(f"--device {device}: this process sees {seen} GPU(s) (CUDA_VISIBLE_DEVICES?)")
+        seen = len(backend().visible_uuids())
+    except GpuPathError as exc:
+        raise UsageError(f"--device {device}: {exc}") from None
+    if not seen or (parsed.index or 0) >= seen:
+        raise UsageError(f"--device {device}: this process sees {seen} GPU(s) (CUDA_VISIBLE_DEVICES?)")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     options = producer_options(args)  # usage errors first: before logging is set up
     endpoint = resolve(args)
-    check_device(args.device, gpu=False)
     _configure_logging(args.log_level)
 
     from ..producer import Producer
@@ -285,7 +288,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if held is not None:
             held.close()
         loader = call_pipeline(function, args.pipeline, dict(args.args))
-        check_device(args.device, gpu=True)
+        check_gpu(args.device)
         try:
             producer = Producer(loader, endpoint=endpoint, **options)
         except (TypeError, ValueError) as exc:
