@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tensorsocket import Consumer, Hoarding, Producer
-from tests.support import NestedLoader, expected_batch, same, serving
+from tests.support import NestedLoader, expected_batch, join_or_fail, same, serving
 
 TIMEOUT = 0.5  # each consumer's: how long a wait lasts before it asks
 
@@ -32,10 +32,9 @@ def _in_a_thread(body: Any, limit: float = 30.0) -> list[BaseException]:
         except BaseException as exc:
             errors.append(exc)
 
-    thread = threading.Thread(target=run, daemon=True)
+    thread = threading.Thread(target=run, name="the wait", daemon=True)
     thread.start()
-    thread.join(limit)
-    assert not thread.is_alive(), "the wait did not end"
+    join_or_fail(thread, limit)
     return errors
 
 
@@ -88,7 +87,7 @@ def test_one_made_here_and_never_iterated_gets_a_warning_and_may_still_be_taken(
                 starter = threading.Thread(target=late_starter, daemon=True)
                 starter.start()
                 taken = [float(batch[0]) for batch in first]
-                starter.join(20)
+                join_or_fail(starter, 20)
                 assert taken == late_taken == [float(i) for i in range(12)]
     finally:
         logging.getLogger("tensorsocket").removeHandler(watch)
