@@ -155,9 +155,11 @@ def test_the_io_thread_does_not_wake_for_every_batch_of_host_memory(name, delay,
         assert got == [True] * (batches - 1)
         # Producer ahead: a tick each TICK of the steps' wall time (~16 in ~0.8 s; the bound
         # was 30 until a CI run counted 38: the time the steps took, not the batches, sets
-        # the ticks), and a few more; loader behind: a few heartbeats and STATS in ~1.2 s.
-        # Far below one a batch at the usual pace (39 more here would fail).
-        assert woken < (ticks + batches * 0.25 if step else batches * 0.25), (woken, ticks)
+        # the ticks), and some more: a voluntary switch is also a wait for the GIL while the
+        # caller's thread runs, which a busy machine makes more of (two fresh-clone CI runs
+        # counted 11 and 12 over the ticks). Loader behind: a few heartbeats and STATS in
+        # ~1.2 s. A wake-up per batch (39 more here; there were 2-3 a batch before) fails.
+        assert woken < (ticks + batches * 0.5 if step else batches * 0.25), (woken, ticks)
     finally:
         proc.join(timeout=30)
         if proc.is_alive():
