@@ -6,6 +6,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from tensorsocket.endpoint import runtime_dir
 from tests.support import shm_segments, unique_name, wait_until
 
 # How long a test's resources may take to go after it returned: zmq closes a socket's
@@ -14,9 +15,14 @@ HYGIENE_GRACE = float(os.environ.get("TENSORSOCKET_TEST_HYGIENE_GRACE", "5"))
 
 
 @pytest.fixture
-def name() -> str:
-    """A producer name no other test uses."""
-    return unique_name()
+def name() -> Iterator[str]:
+    """A producer name no other test uses. Its files in the runtime directory go afterwards:
+    those a killed producer or a raw ZeroMQ peer left (a closed Producer removes its own, see
+    test_liveness), and a restarted producer's state file, which stays by design."""
+    name = unique_name()
+    yield name
+    for path in runtime_dir().glob(f"{name}.sock*"):
+        path.unlink(missing_ok=True)
 
 
 @pytest.fixture(autouse=True)

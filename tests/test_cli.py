@@ -404,8 +404,9 @@ def test_errors_and_help(pipeline: Path, tmp_path: Path) -> None:
             ["--device cuda: the cuda transport needs a CUDA GPU", "device='cpu'"],
         )
     # serve cases get a name each: they run at once, and a name in use would be refused
+    names = {label: unique_name("cli") for label, (args, _, _) in cases.items() if args[0] == "serve"}
     procs = {
-        label: start(*args, *(["--name", unique_name("cli")] if args[0] == "serve" else []))
+        label: start(*args, *(["--name", names[label]] if label in names else []))
         for label, (args, _, _) in cases.items()
     }
     outputs = {}
@@ -421,14 +422,22 @@ def test_errors_and_help(pipeline: Path, tmp_path: Path) -> None:
         for proc in procs.values():
             kill(proc)
     assert "--trainers" in outputs["demo help"] and "--images" in outputs["demo help"]
+    assert left_in_runtime_dir(names.values()) == []  # (a refused serve gives its name back)
+
+
+def left_in_runtime_dir(names: Any) -> list[str]:
+    """The runtime directory's files of these producer names (socket, lock, state)."""
+    return sorted(p.name for name in names for p in endpoint.runtime_dir().glob(f"{name}.sock*"))
 
 
 def test_serve_refuses_a_gpu_this_process_cannot_see_in_one_line(pipeline: Path) -> None:
     env = {**os.environ, "TENSORSOCKET_FAKE_CUDA": "1"}  # (the stand-in sees 2 GPUs)
-    args = ["serve", f"{pipeline}:make", "--name", unique_name("cli"), "--device", "cuda:7"]
+    name = unique_name("cli")
+    args = ["serve", f"{pipeline}:make", "--name", name, "--device", "cuda:7"]
     done = subprocess.run(command(*args), cwd=ROOT, env=env, capture_output=True, text=True, timeout=90)
     assert done.returncode == 2, done.stderr
     assert "--device cuda:7: this process sees 2 GPU(s)" in done.stderr and "Traceback" not in done.stderr
+    assert left_in_runtime_dir([name]) == []
 
 
 def test_parsing_in_process(pipeline: Path, capsys: pytest.CaptureFixture[str]) -> None:

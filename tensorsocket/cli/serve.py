@@ -282,11 +282,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     progress: threading.Thread | None = None
     try:
         function = load_pipeline(args.pipeline)
-        # Refuse a served name before calling a possibly slow pipeline function (the Producer
-        # takes the lock for real below and refuses too if someone took it in between).
-        held = endpoints.lock(endpoint)
-        if held is not None:
-            held.close()
+        # Refuse a served name before calling a possibly slow pipeline function, and give the
+        # name back with its files at once: a pipeline that then fails leaves no lock file. The
+        # Producer takes the lock for real below, and refuses too if someone took it in between.
+        endpoints.unlock(endpoint, endpoints.lock(endpoint))
         loader = call_pipeline(function, args.pipeline, dict(args.args))
         check_gpu(args.device)
         try:
