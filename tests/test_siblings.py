@@ -61,10 +61,12 @@ def test_two_consumers_taken_in_turn_by_one_thread_raise_instead_of_waiting_fore
         assert taken == [0.0, 1.0, 2.0] and time.monotonic() - started < 20
 
 
+@pytest.mark.parametrize("handed", [False, True], ids=["made-here", "iterator-made-here"])
 def test_one_made_here_and_never_iterated_gets_a_warning_and_may_still_be_taken(
-    name: str, caplog: pytest.LogCaptureFixture
+    name: str, caplog: pytest.LogCaptureFixture, handed: bool
 ) -> None:
-    """The other thread that will take it may still be setting up: warn, never raise."""
+    """The other thread that will take it may still be setting up: warn, never raise. So too
+    when this thread made its iterator too (iter()) and hands that to the other thread."""
     producer = Producer(_ids(12), name=name, slots=2, replay=0, min_consumers=2)
     warned = threading.Event()
 
@@ -79,10 +81,11 @@ def test_one_made_here_and_never_iterated_gets_a_warning_and_may_still_be_taken(
         with serving(producer, 1), Consumer(name=name, timeout=TIMEOUT, label="first") as first:
             with Consumer(name=name, timeout=TIMEOUT, label="late") as late:
                 late_taken: list[float] = []
+                epoch = iter(late) if handed else None
 
                 def late_starter() -> None:  # takes `late` only once the warning was given
                     assert warned.wait(20)
-                    late_taken.extend(float(batch[0]) for batch in late)
+                    late_taken.extend(float(batch[0]) for batch in (late if epoch is None else epoch))
 
                 starter = threading.Thread(target=late_starter, daemon=True)
                 starter.start()

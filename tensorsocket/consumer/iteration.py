@@ -76,8 +76,8 @@ class Batches:
 
     def start_epoch(self) -> None:
         """A new epoch: if the previous one's loop was left early, skip the rest of it (as a
-        new DataLoader iterator starts a new epoch)."""
-        self.thread = threading.get_ident()
+        new DataLoader iterator starts a new epoch). The thread that iterates is recorded by
+        next() only: an iterator may be made here and handed to another thread (siblings)."""
         while self.mid_epoch:
             try:
                 self.next_batch()
