@@ -247,3 +247,26 @@ def test_lightning_resumes_mid_epoch_from_its_checkpoint_exactly(name, tmp_path)
             p.join(timeout=30)
     assert before == [0, 1, 2, 3, 4]  # it crashed at its 5th step; the checkpoint is after step 3
     assert before[:3] + after == list(range(BATCHES)) * 2  # one uninterrupted run of 2 epochs
+
+
+def test_a_re_cut_state_saved_after_its_short_last_batch_resumes_at_that_epochs_end(name):
+    """A re-cut epoch whose last batch is short: the re-cut reads the epoch's end to make that
+    batch, but a state saved after it (still inside the loop, as a checkpoint callback saves
+    it) is the end of that epoch, as without a re-cut: the first ``for`` of the restored
+    trainer yields nothing (the rest of that epoch), the next one the next epoch."""
+    size = 3
+    assert BATCHES * ROWS % size  # (a short last batch)
+    with Producer(Ids(), name=name, slots=2) as producer:  # default replay keeps the epoch
+        with serving(producer, epochs=2):
+            with Consumer(name=name, batch_size=size, label="first") as first:
+                taken = 0
+                for batch in first:
+                    taken += len(batch)
+                    saved = first.state_dict()
+                    del batch
+                assert taken == BATCHES * ROWS
+            assert (saved["epoch"], saved["index"], saved["offset"]) == (0, BATCHES, 0)
+            with Consumer(name=name, batch_size=size, label="restored") as restored:
+                restored.load_state_dict(saved)
+                assert [b.tolist() for b in restored] == []  # the rest of epoch 0
+                assert [i for b in restored for i in b.tolist()] == list(range(BATCHES * ROWS))  # epoch 1
