@@ -199,6 +199,85 @@ def test_ctrl_c_stops_trainers_and_producer(workdir: Path) -> None:
     assert "closed" in _read(logs / "producer.log")
 
 
+def _start_serving_sweep(workdir: Path, logs: Path) -> subprocess.Popen[str]:
+    """A sweep of one long trial (a=0), once its producer serves."""
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "tensorsocket.cli.sweep",
+            "--pipeline", "pipe.py:make",
+            "--trainer", "python trainer.py --epochs 100000 --step 0.2",
+            "--grid", "a=0",
+            "--epochs", "100000",
+            "--logs", str(logs),
+        ],
+        cwd=workdir,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+
+    def serving_started() -> bool:
+        assert proc.poll() is None, _read(logs / "producer.log")
+        return "serving 100000 epoch(s)" in _read(logs / "producer.log")
+
+    try:
+        wait_until(
+            serving_started, 40, lambda: f"the sweep's producer to serve: {_read(logs / 'producer.log')}"
+        )
+    except BaseException:
+        proc.kill()
+        raise
+    time.sleep(0.5)
+    return proc
+
+
+def _trainer_pid(log: Path) -> int:
+    wait_until(lambda: re.search(r"^pid (\d+)", _read(log), re.M) is not None, 10, "the trainer's pid")
+    return int(re.search(r"^pid (\d+)", _read(log), re.M).group(1))
+
+
+def test_sighup_stops_trainers_and_producer_like_sigterm(workdir: Path) -> None:
+    """A closed terminal (SIGHUP) stops the sweep in order, as SIGTERM does: the trainers, in
+    sessions of their own, get no SIGHUP and would otherwise outlive it."""
+    logs = workdir / "logs"
+    proc = _start_serving_sweep(workdir, logs)
+    try:
+        proc.send_signal(signal.SIGHUP)
+        out, _ = proc.communicate(timeout=40)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGHUP, out
+    (trial,) = json.loads((logs / "summary.json").read_text())["trials"]
+    assert trial["status"] == "stopped"
+    (producer,) = producer_pids(logs)
+    for pid in (_trainer_pid(Path(trial["log"])), producer):
+        assert not pid_alive(pid), pid
+    assert shm_segments(producer) == []
+
+
+def test_a_killed_sweeps_trainers_fail_instead_of_taking_the_cut_stream_for_a_finished_run(
+    workdir: Path,
+) -> None:
+    """SIGKILL leaves the sweep no clean-up: its producer sees its stdin close and ends the
+    stream with that reason, so the orphaned trainer raises ProducerLost (no RESULT line, a
+    failed exit) rather than end its epochs early as if the stream had ended."""
+    logs = workdir / "logs"
+    proc = _start_serving_sweep(workdir, logs)
+    log = logs / "trial-01.log"
+    trainer = _trainer_pid(log)
+    proc.kill()
+    proc.communicate(timeout=10)
+    (producer,) = producer_pids(logs)
+    wait_until(
+        lambda: not pid_alive(trainer) and not pid_alive(producer), 30, "the trainer and the producer to exit"
+    )
+    text = _read(log)
+    assert "ProducerLost" in text and "sweep that started this producer is gone" in text, text
+    assert "RESULT" not in text
+    assert shm_segments(producer) == []
+
+
 def _read(path: Path) -> str:
     try:
         return path.read_text()

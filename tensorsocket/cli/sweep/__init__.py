@@ -30,10 +30,12 @@ Design:
 * A trainer reports its outcome with one line ``RESULT {json}`` (``consumer/train.py`` prints
   ``{"loss", "samples_per_s", "samples", "epochs"}``); the last such line of its log goes
   into the summary: a table on stdout, ``<logs>/summary.json`` and ``<logs>/summary.csv``.
-* Ctrl-C (or SIGTERM): the trainers are terminated (their process groups: SIGTERM, then
-  SIGKILL after 5 s), the producer is told to end the stream and free its shared memory, the
-  summary is written with the interrupted trials marked ``stopped``, and the exit code is 130
-  (143 for SIGTERM).
+* Ctrl-C (or SIGTERM, or SIGHUP when its terminal closes): the trainers are terminated (their
+  process groups: SIGTERM, then SIGKILL after 5 s), the producer is told to end the stream and
+  free its shared memory, the summary is written with the interrupted trials marked
+  ``stopped``, and the exit code is 130 (143 for SIGTERM, 129 for SIGHUP). If the sweep dies
+  without that (SIGKILL), its producer ends the stream with that reason, so trainers still
+  running raise ``ProducerLost`` instead of taking the cut-short stream for a finished run.
 
 Modules, each importing only those after it: this one (the subcommand and ``python -m
 tensorsocket.cli.sweep``); ``launcher`` (the run); ``processes`` (one wave's processes);

@@ -36,6 +36,18 @@ def _default_logs() -> Path:
     return path
 
 
+def _detach_output() -> None:
+    """Point stdout and stderr at /dev/null (after SIGHUP: a closed terminal fails writes with
+    EIO, which would stop the clean-up before the trainers are stopped and the summary written)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        for stream in (sys.stdout, sys.stderr):
+            os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+
 def _prepare(args: argparse.Namespace) -> tuple[str, Path, list[Trial]]:
     load_pipeline(args.pipeline)  # fail early on a bad --pipeline; it is called in the producer child
     name = args.name or f"sweep-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -83,11 +95,13 @@ def run(args: argparse.Namespace) -> int:
     def on_signal(signum: int, frame: Any) -> None:
         for sig in previous:  # a second Ctrl-C must not cut the clean-up short
             signal.signal(sig, signal.SIG_IGN)
+        if signum == signal.SIGHUP:  # the terminal is gone: writing to it would fail the clean-up
+            _detach_output()
         raise _Interrupted(signum)
 
     previous = {}
     if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             previous[sig] = signal.signal(sig, on_signal)
     code = EXIT_OK
     error: str | None = None

@@ -25,6 +25,10 @@ from ...pipeline import load as load_pipeline
 from ..common import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, positive_int
 
 _STUCK_EXIT = 30.0  # this process kills itself if still running this long after a stop
+# The stream's end reason when stdin closes without "stop": the sweep died (SIGKILL, a closed
+# terminal) and its trainers, in sessions of their own, still run. A clean end would let them
+# take a cut-short stream for a finished run (and print a RESULT); this makes them fail.
+SWEEP_GONE = "the tensorsocket sweep that started this producer is gone (its stdin closed)"
 
 
 def main(argv: list[str]) -> int:
@@ -89,6 +93,7 @@ class _WaveServer:
         self.exited = 0  # trials the sweep reported as exited
         self.serving = False  # serve() was entered: the stdin thread must close() to end it
         self.stop = threading.Event()  # "stop" or EOF on stdin
+        self.reason: str | None = None  # the stream's end reason: SWEEP_GONE on EOF without "stop"
         self.closed = threading.Event()  # the stdin thread is done closing
         self.finished = threading.Event()  # the main thread is done
 
@@ -121,7 +126,7 @@ class _WaveServer:
                     if self.stop.is_set() or self.exited >= self.consumers:
                         why = "told to stop" if self.stop.is_set() else "every trial exited before joining"
                         self.log.info("%s; nothing served", why)
-                        producer.close()
+                        producer.close(reason=self.reason)
                         return EXIT_OK
                     if joined + self.exited >= self.consumers:
                         self.serving = True
@@ -148,24 +153,29 @@ class _WaveServer:
         # Raw reads of fd 0, not sys.stdin: a thread blocked in sys.stdin.readline() holds
         # the buffer's lock, and a DataLoader worker forked meanwhile deadlocks closing its
         # inherited copy of sys.stdin (multiprocessing does that at start).
-        pending = b""
+        pending, gone = b"", False
         while True:
             try:
                 chunk = os.read(0, 4096)
             except OSError:
                 chunk = b""
             if not chunk:
-                break  # EOF: the sweep is gone
+                gone = True  # EOF without "stop": the sweep is gone
+                break
             *lines, pending = (pending + chunk).split(b"\n")
             if any(line.strip() == b"stop" for line in lines):
+                gone = False
                 break
             with self.lock:
                 self.exited += sum(line.strip() == b"exited" for line in lines)
+        if gone:
+            self.log.warning("%s: ending the stream with that reason", SWEEP_GONE)
         with self.lock:
+            self.reason = SWEEP_GONE if gone else None
             self.stop.set()
             close = self.serving
-        if close:  # serve() runs in the main thread: close() from here ends it cleanly
-            self.producer.close()
+        if close:  # serve() runs in the main thread: close() from here ends it
+            self.producer.close(reason=self.reason)
         self.closed.set()
         if not self.finished.wait(_STUCK_EXIT):
             # The main thread is stuck (in the loader, say), and if the sweep is gone nobody
