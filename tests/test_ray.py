@@ -182,3 +182,34 @@ def test_arguments_are_checked_without_a_cluster() -> None:
         tsray.consumer("sweep1")
     with pytest.raises(TypeError, match="ray.data.Dataset"):
         tsray.RayDataLoader([1, 2, 3], 2)
+
+
+def test_a_second_fleet_of_a_served_name_leaves_the_first_ones_state_file(monkeypatch, tmp_path) -> None:
+    """A node's producer of a second fleet with the same name is refused, as before, and does
+    not first remove the serving producer's state file (what a restart of that producer
+    resumes from). No cluster needed: the actor's class is built as Ray would, on this node."""
+    import ray
+
+    from tensorsocket import Producer
+    from tensorsocket import endpoint as endpoints
+    from tensorsocket.producer import state_file
+    from tensorsocket.ray import actor
+    from tensorsocket.ray.naming import node_name
+
+    node = "ab" * 28
+    monkeypatch.setattr(actor, "current_node_id", lambda: node)
+    monkeypatch.setattr(
+        ray, "get_runtime_context", lambda: type("C", (), {"was_current_actor_reconstructed": False})()
+    )
+    name = f"t{os.getpid() % 10000}-{os.urandom(3).hex()}"
+    served = node_name(name, node)
+    state = state_file.state_path(endpoints.resolve(served))
+    with Producer([1, 2, 3], name=served, resume=True) as first:
+        assert first is not None
+        state.write_text("{}")  # (what the serving producer keeps; its content is not read here)
+        second = actor.NodeProducer(
+            f"{ROOT / 'tests' / 'ray_pipeline.py'}:make_loader", {}, name, None, {}, True
+        )
+        assert second.producer is None and "already serving" in (second.error or ""), second.error
+        assert state.exists()  # the first fleet's, untouched
+    state_file.remove(state)

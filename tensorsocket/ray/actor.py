@@ -77,7 +77,14 @@ class NodeProducer:
         try:
             loader = build_loader(spec, args)
             if keep_state and not self.restarted:  # a fresh stream: never resume an older fleet's
-                state_file.remove(state_file.state_path(self.endpoint))
+                # Only under the name's lock: while another fleet's producer serves this name
+                # (a second fleet of the same name), its state file is not ours to remove,
+                # and lock() refuses with the error the producer would give.
+                held = endpoints.lock(self.endpoint)
+                try:
+                    state_file.remove(state_file.state_path(self.endpoint))
+                finally:
+                    endpoints.unlock(self.endpoint, held)
             self.producer = Producer(loader, name=self.name, resume=keep_state, **options)
         except (ValueError, TypeError) as exc:  # PipelineError is a ValueError
             self.error, self.usage_error = str(exc), True
