@@ -204,8 +204,7 @@ def test_a_second_fleet_of_a_served_name_leaves_the_first_ones_state_file(monkey
     name = f"t{os.getpid() % 10000}-{os.urandom(3).hex()}"
     served = node_name(name, node)
     state = state_file.state_path(endpoints.resolve(served))
-    with Producer([1, 2, 3], name=served, resume=True) as first:
-        assert first is not None
+    with Producer([1, 2, 3], name=served, resume=True):
         state.write_text("{}")  # (what the serving producer keeps; its content is not read here)
         second = actor.NodeProducer(
             f"{ROOT / 'tests' / 'ray_pipeline.py'}:make_loader", {}, name, None, {}, True

@@ -164,7 +164,6 @@ class _WaveServer:
                 break
             *lines, pending = (pending + chunk).split(b"\n")
             if any(line.strip() == b"stop" for line in lines):
-                gone = False
                 break
             with self.lock:
                 self.exited += sum(line.strip() == b"exited" for line in lines)
