@@ -157,16 +157,10 @@ class Batches:
         """Where this consumer is: what a restored one continues from (None: nothing yet)."""
         if self.epoch is None:
             return None
-        for index, start, n in self.pushed:  # a re-cut whose last output ended inside a batch
-            if start <= self.handed < start + n:
-                return Position(self.stream, self.pushed_epoch, index, self.handed - start)
-        if self.stop_pending and self.pushed:
-            # The re-cut's short last batch was handed out: it took the epoch's end to make
-            # it, but the caller's loop has not seen that end yet. Its place is after the
-            # epoch's last batch, as without a re-cut (the next epoch's start would make a
-            # restored loop's first `for` yield all of the next epoch as this one's rest).
-            return Position(self.stream, self.pushed_epoch, self.pushed[-1][0] + 1)
-        return Position(self.stream, self.epoch, self.next_index)
+        cut = resume.recut_position(
+            self.stream, self.pushed_epoch, self.pushed, self.handed, self.stop_pending
+        )
+        return cut or Position(self.stream, self.epoch, self.next_index)
 
     def _note_position(self, kind: str, epoch: int, index: int) -> None:
         """After taking a batch (``index`` of ``epoch``) or an epoch's end; on the first one

@@ -24,6 +24,22 @@ class Position:
     offset: int = 0
 
 
+def recut_position(stream: str, epoch: int, pushed: Any, handed: int, end_read: bool) -> Position | None:
+    """Where a re-cut consumer is, from the producer batches of ``epoch`` its re-cut took
+    (``pushed``: (index, first sample's number, samples) each) and the samples it handed out;
+    None where that is where it would be without a re-cut (the next producer batch's start).
+    ``end_read``: the re-cut read the epoch's end to make its short last batch, which was
+    handed out, and the caller's loop has not seen that end yet."""
+    for index, start, n in pushed:  # its last output ended inside a batch
+        if start <= handed < start + n:
+            return Position(stream, epoch, index, handed - start)
+    if end_read and pushed:
+        # After the epoch's last batch, as without a re-cut (the next epoch's start would make
+        # a restored loop's first `for` yield all of the next epoch as this one's rest).
+        return Position(stream, epoch, pushed[-1][0] + 1)
+    return None
+
+
 def state_of(position: Position | None, batch_size: int | None, group: list[Any] | None) -> dict[str, Any]:
     """The state dict for ``position`` (None: nothing taken yet, so a load starts afresh);
     ``group`` is [name, world size] for a group member."""
