@@ -71,10 +71,42 @@ print("RESULT " + json.dumps({"loss": args.lr * args.width, "samples_per_s": rat
 """
 
 
+# Opens two consumers (a training and a validation one, say) before its first batch, each
+# taken in a thread of its own, after waiting --delay seconds; prints each one's samples.
+PAIR_TRAINER = """
+import argparse, json, threading, time
+from tensorsocket import Consumer
+
+p = argparse.ArgumentParser()
+p.add_argument("--delay", type=float, default=0.0)
+p.add_argument("--epochs", type=int, default=2)
+args = p.parse_args()
+time.sleep(args.delay)
+consumers = [Consumer(label=label) for label in ("train", "val")]
+samples = [0, 0]
+
+def take(i):
+    for epoch in range(args.epochs):
+        for images, labels in consumers[i]:
+            samples[i] += len(labels)
+            time.sleep(0.05)
+
+threads = [threading.Thread(target=take, args=(i,)) for i in range(2)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+for c in consumers:
+    c.close()
+print("RESULT " + json.dumps({"loss": 0.0, "samples_per_s": 1.0, "samples": samples}))
+"""
+
+
 @pytest.fixture
 def workdir(tmp_path: Path) -> Path:
     (tmp_path / "pipe.py").write_text(PIPELINE)
     (tmp_path / "trainer.py").write_text(TRAINER)
+    (tmp_path / "pair.py").write_text(PAIR_TRAINER)
     return tmp_path
 
 
@@ -151,6 +183,27 @@ def test_sweep_2x2_grid_in_two_waves_with_one_failing_trial(workdir: Path) -> No
         assert not pid_alive(pid) and shm_segments(pid) == []
 
 
+def test_a_wave_waits_for_every_consumer_of_trials_that_open_two(workdir: Path) -> None:
+    """With --consumers-per-trial 2 the wave's producer starts once both trials' two consumers
+    joined: the first trial's two alone (counted as one consumer a trial, they started the
+    stream) would leave the trial that joins 1.5 s later without its first epochs."""
+    logs = workdir / "logs"
+    proc = run_sweep(
+        workdir,
+        "--pipeline", "pipe.py:make",
+        "--pipeline-arg", f"batches={BATCHES}",
+        "--trainer", "python pair.py --epochs 2",
+        "--grid", "delay=0,1.5",
+        "--consumers-per-trial", "2",
+        "--epochs", "2",
+        "--logs", str(logs),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr + _read(logs / "producer.log")
+    trials = json.loads((logs / "summary.json").read_text())["trials"]
+    assert [t["result"]["samples"] for t in trials] == [[2 * BATCHES * BATCH_SIZE] * 2] * 2
+    assert "4 consumer(s) joined" in _read(logs / "producer.log")
+
+
 def test_ctrl_c_stops_trainers_and_producer(workdir: Path) -> None:
     """Also: the producer does not wait for a trial that exits before it joins (a=1)."""
     logs = workdir / "logs"
@@ -190,7 +243,7 @@ def test_ctrl_c_stops_trainers_and_producer(workdir: Path) -> None:
     trials = json.loads((logs / "summary.json").read_text())["trials"]
     assert [t["status"] for t in trials] == ["stopped", "failed"]
     assert trials[1]["exit_code"] == 5
-    assert "1 trial(s) joined" in _read(logs / "producer.log")
+    assert "1 consumer(s) joined" in _read(logs / "producer.log")
     trainer_pids = [int(re.search(r"^pid (\d+)", Path(t["log"]).read_text(), re.M).group(1)) for t in trials]
     (producer,) = producer_pids(logs)
     for pid in [*trainer_pids, producer]:

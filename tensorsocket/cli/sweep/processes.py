@@ -24,7 +24,7 @@ _PRODUCER_STOP = 15.0  # after "stop": time for the producer to close before SIG
 class _ProducerProcess:
     """The producer child: started, waited for until bound, told which trials exited."""
 
-    def __init__(self, args: argparse.Namespace, name: str, consumers: int, logs: Path, wave: int) -> None:
+    def __init__(self, args: argparse.Namespace, name: str, trials: int, logs: Path, wave: int) -> None:
         self.ready_file = logs / f".producer-{wave}.ready"
         self.ready_file.unlink(missing_ok=True)
         command = [sys.executable, "-m", "tensorsocket.cli.sweep", "_serve", "--pipeline", args.pipeline]
@@ -34,7 +34,8 @@ class _ProducerProcess:
             "--name", name,
             "--slots", str(args.slots),
             "--epochs", str(args.epochs),
-            "--consumers", str(consumers),
+            "--trials", str(trials),
+            "--per-trial", str(args.consumers_per_trial),
             "--ready-file", str(self.ready_file),
         ]  # fmt: skip
         self.log = logs / "producer.log"

@@ -34,9 +34,9 @@ SWEEP_GONE = "the tensorsocket sweep that started this producer is gone (its std
 def main(argv: list[str]) -> int:
     """``python -m tensorsocket.cli.sweep _serve``: the sweep's producer process.
 
-    Binds, writes its endpoint to ``--ready-file``, waits until every one of ``--consumers``
-    trials joined or was reported on stdin as ``exited``, serves ``--epochs`` epochs and
-    exits. ``stop`` on stdin, or stdin closing (the sweep is gone), ends the stream early.
+    Binds, writes its endpoint to ``--ready-file``, waits until every one of ``--trials``
+    trials joined (``--per-trial`` consumers each) or was reported on stdin as ``exited``,
+    serves ``--epochs`` epochs and exits. ``stop`` on stdin, or stdin closing (the sweep is gone), ends the stream early.
     """
     from ...producer import Producer
 
@@ -46,7 +46,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--name", required=True)
     parser.add_argument("--slots", type=positive_int, default=8)
     parser.add_argument("--epochs", type=positive_int, default=1)
-    parser.add_argument("--consumers", type=positive_int, required=True)
+    parser.add_argument("--trials", type=positive_int, required=True)
+    parser.add_argument("--per-trial", type=positive_int, default=1)
     parser.add_argument("--ready-file", required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -78,16 +79,16 @@ def main(argv: list[str]) -> int:
     except RuntimeError as exc:  # the name is served already
         log.error("%s", exc)
         return EXIT_USAGE
-    return _WaveServer(producer, args.consumers, log).run(args.epochs, Path(args.ready_file))
+    return _WaveServer(producer, args.trials, args.per_trial, log).run(args.epochs, Path(args.ready_file))
 
 
 class _WaveServer:
     """The producer child once bound: its main thread waits for the wave's trials and
     serves; a second thread reads the sweep's messages on stdin."""
 
-    def __init__(self, producer: Any, consumers: int, log: Any) -> None:
+    def __init__(self, producer: Any, trials: int, per_trial: int, log: Any) -> None:
         self.producer = producer
-        self.consumers = consumers
+        self.trials, self.per_trial = trials, per_trial
         self.log = log
         self.lock = threading.Lock()  # guards exited, and serving vs stop
         self.exited = 0  # trials the sweep reported as exited
@@ -100,10 +101,11 @@ class _WaveServer:
     def run(self, epochs: int, ready_file: Path) -> int:
         threading.Thread(target=self._watch_parent, name="tensorsocket-sweep-stdin", daemon=True).start()
         self.log.info(
-            "producer pid %d on %s: waiting for %d trial(s)",
+            "producer pid %d on %s: waiting for %d trial(s), %d consumer(s) each",
             os.getpid(),
             self.producer.endpoint,
-            self.consumers,
+            self.trials,
+            self.per_trial,
         )
         tmp = ready_file.with_name(ready_file.name + ".tmp")
         tmp.write_text(self.producer.endpoint)
@@ -119,20 +121,22 @@ class _WaveServer:
         producer = self.producer
         try:
             while True:
-                # Joined trials (whose process still lives) plus those that exited: once
-                # that is every trial of the wave, nobody else is coming.
+                # Joined consumers (whose process still lives) plus those of the trials that
+                # exited: once that is every consumer of the wave, nobody else is coming.
+                # (Counted as consumers, not trials: torchrun's ranks have sessions of their
+                # own, so which trial a consumer belongs to is not known here.)
                 joined = sum(pid_alive(c["pid"]) for c in producer.status()["consumers"])
                 with self.lock:
-                    if self.stop.is_set() or self.exited >= self.consumers:
+                    if self.stop.is_set() or self.exited >= self.trials:
                         why = "told to stop" if self.stop.is_set() else "every trial exited before joining"
                         self.log.info("%s; nothing served", why)
                         producer.close(reason=self.reason)
                         return EXIT_OK
-                    if joined + self.exited >= self.consumers:
+                    if joined + self.exited * self.per_trial >= self.trials * self.per_trial:
                         self.serving = True
                         break
                 time.sleep(0.05)
-            self.log.info("%d trial(s) joined; serving %d epoch(s)", joined, epochs)
+            self.log.info("%d consumer(s) joined; serving %d epoch(s)", joined, epochs)
             producer.serve(epochs=epochs)
         except KeyboardInterrupt:
             producer.close()

@@ -90,6 +90,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "producer run of --epochs epochs",
     )
     parser.add_argument(
+        "--consumers-per-trial",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="consumers each trial opens before its first batch, e.g. the N ranks of "
+        "'torchrun --nproc_per_node=N' (default 1): a wave starts once all of them joined",
+    )
+    parser.add_argument(
         "--epochs", type=positive_int, default=1, help="epochs the producer serves per wave (default 1)"
     )
     parser.add_argument(
