@@ -284,6 +284,29 @@ def test_status_shows_a_group_forming_then_running(name):
         producer.close()
 
 
+def test_a_rank_waiting_for_a_group_that_does_not_form_says_so_once(name, caplog):
+    """Rank 0 iterates; rank 1 never joins (it died at start, or has another group name): the
+    wait goes on, as it must (rank 1 may still come), with one warning once it lasted the
+    consumer's timeout; then rank 1 joins and both get the batches."""
+    producer = Producer(make_loader(8), name=name, slots=4, replay=0)
+    with serving(producer, 1) as (thread, errors):
+        first = Consumer(name=name, group="job", rank=0, world_size=2, timeout=0.5, label="r0")
+        taken: list[int] = []
+        waiting = threading.Thread(target=lambda: taken.extend(len(b[1]) for b in first), daemon=True)
+        waiting.start()
+        wait_until(lambda: "has waited 0.5 s for its first batch" in caplog.text, 10, "the warning")
+        time.sleep(1.0)  # (a TICK is 50 ms: once, not each)
+        assert caplog.text.count("for its first batch") == 1
+        assert "rank 0 of group 'job'" in caplog.text and "all its 2 ranks joined" in caplog.text
+        with Consumer(name=name, group="job", rank=1, world_size=2, timeout=5.0) as second:
+            second_took = [len(b[1]) for b in second]
+        waiting.join(timeout=20)
+        first.close()
+        thread.join(timeout=20)
+    assert not waiting.is_alive() and errors == []
+    assert taken == second_took == [BATCH]  # 2 batches of 4: a round, a batch to each rank
+
+
 def test_members_that_conflict_are_refused_with_the_reason(name):
     producer = Producer(make_loader(32), name=name, slots=4, replay=0)
     try:

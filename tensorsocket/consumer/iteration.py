@@ -75,9 +75,8 @@ class Batches:
         self.samples: int | None = None
 
     def start_epoch(self) -> None:
-        """A new epoch: if the previous one's loop was left early, skip the rest of it (as a
-        new DataLoader iterator starts a new epoch). The thread that iterates is recorded by
-        next() only: an iterator may be made here and handed to another thread (siblings)."""
+        """A new epoch: if the previous one's loop was left early, skip the rest of it (as a new
+        DataLoader iterator does). Not the thread: an iterator may be handed on (see next())."""
         while self.mid_epoch:
             try:
                 self.next_batch()
@@ -98,7 +97,7 @@ class Batches:
     def next_for_user(self) -> Any:
         """The next batch in this consumer's batch size; StopIteration at the epoch's end."""
         shared = self.shared
-        self.thread = threading.get_ident()
+        self.thread = threading.get_ident()  # (siblings: the thread that iterates, once it does)
         t0 = shared.wait_started = time.monotonic()
         try:
             batch = self.next_batch() if self.rebatcher is None else self._next_rebatched()
@@ -303,6 +302,7 @@ class Batches:
         """Each TICK of a wait in next(): raise rather than wait for a batch that cannot come."""
         self._check_hoarding()
         siblings.check(self)
+        _warn_group_forming(self)
 
     def _check_hoarding(self) -> None:
         limit = min(self.settings.prefetch, self.slots)
@@ -325,6 +325,25 @@ class Batches:
             message = self.shared.violations.popleft()
         if message is not None:
             raise BatchModified(message)
+
+
+def _warn_group_forming(batches: Batches) -> None:
+    """A rank's wait for its group's first batch has lasted its ``timeout``: say once why. The
+    group starts only with all its ranks, and a rank that never comes (it failed to start, or
+    joined under another name) leaves the others waiting with no error: they are alive."""
+    started, settings = batches.shared.wait_started, batches.settings
+    if settings.group is None or batches.taken_any or batches.warned or started is None:
+        return
+    if time.monotonic() - started < settings.timeout:
+        return
+    batches.warned = True
+    group, rank, size, _ = settings.group
+    log.warning(
+        "consumer %r, rank %d of group %r, has waited %g s for its first batch: the group starts once "
+        "all its %d ranks joined and iterate (a rank that never does, or joins under another group "
+        "name, keeps it waiting; `tensorsocket status` lists the ranks joined)",
+        settings.label, rank, group, settings.timeout, size,
+    )  # fmt: skip
 
 
 class EpochIterator:
