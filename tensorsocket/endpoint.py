@@ -17,6 +17,21 @@ DEFAULT_NAME = "default"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _IPC_PATH_MAX = 107  # sun_path is 108 bytes with the terminating NUL
 _LOCK_TRIES = 5  # a lock file removed between our open and our flock: open it again
+#: The lock files this process holds. An flock belongs to the open file, which a forked child
+#: (a DataLoader's worker) shares: after a SIGKILL its children held the name until they noticed
+#: (up to torch's 5 s watchdog), and the supervisor's restart was refused, naming the dead pid.
+#: A child closes its copies at once (it never serves the name).
+_HELD: dict[int, IO[str]] = {}
+
+
+def _drop_inherited_locks() -> None:
+    for held in list(_HELD.values()):
+        with contextlib.suppress(OSError):
+            held.close()
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_locks)
 
 
 def runtime_dir() -> Path:
@@ -122,6 +137,7 @@ def lock(endpoint: str) -> IO[str] | None:
             f.truncate(0)
             f.write(str(os.getpid()))
             f.flush()
+            _HELD[id(f)] = f
             return f
         f.close()
     raise RuntimeError(
@@ -137,6 +153,7 @@ def unlock(endpoint: str, held: IO[str] | None) -> None:
     restarted producer resumes from."""
     if held is None:
         return
+    _HELD.pop(id(held), None)
     path = endpoint[6:]
     try:
         for leftover in (path, path + ".lock"):

@@ -7,10 +7,13 @@ import contextlib
 import gc
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import warnings
 from collections.abc import Collection, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,6 +36,7 @@ from tests.support import (
 )
 
 EPOCHS = 2
+ROOT = Path(__file__).resolve().parent.parent
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -278,6 +282,39 @@ def test_second_producer_on_a_served_name_is_refused(name):
             assert [same(b, expected_batch(i, batches)) for i, b in enumerate(consumer)] == [True] * batches
         server.join(timeout=30)
         assert not server.is_alive() and errors == []
+
+
+def test_a_killed_producers_forked_children_do_not_hold_its_name(name):
+    """A producer SIGKILLed while its loader's forked workers live: the name is free at once for
+    its successor (a supervisor's restart). The flock belonged to the open file the workers
+    inherited, so they held the name until they noticed their parent's death (torch checks
+    every 5 s) and the restart was refused, naming the dead producer."""
+    script = (
+        "import os, signal, sys, time\n"
+        "from tensorsocket.endpoint import lock, resolve\n"
+        f"held = lock(resolve({name!r}, None))\n"
+        "child = os.fork()\n"
+        "if child == 0:  # (off the pipes, which run() reads to their end)\n"
+        "    null = os.open(os.devnull, os.O_RDWR)\n"
+        "    os.dup2(null, 1), os.dup2(null, 2)\n"
+        "    time.sleep(30)\n"
+        "    os._exit(0)\n"
+        "print(child, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    child = int(proc.stdout.split()[0])
+    try:
+        with open(f"/proc/{child}/stat") as stat:  # the forked child still runs
+            assert stat.read().split(")")[-1].split()[0] != "Z"
+        endpoint = resolve(name, None)
+        held = lock(endpoint)  # not refused
+        unlock(endpoint, held)
+    finally:
+        os.kill(child, signal.SIGKILL)
 
 
 def test_a_closed_producer_leaves_no_files_for_its_name(name):
