@@ -91,6 +91,7 @@ class _Piece:
     leaves: list[Any] = field(default_factory=list)
     cut: list[bool] = field(default_factory=list)
     sig: list[tuple[str, str]] = field(default_factory=list)
+    owned: bool = False  # its leaves are copies (of :func:`_own`), not views of an input
 
 
 def _take_apart(batch: Any, n: int) -> _Piece:
@@ -158,7 +159,7 @@ def _own(piece: _Piece) -> _Piece:
         v.clone() if isinstance(v, torch.Tensor) else v.copy() if isinstance(v, np.ndarray) else v
         for v in piece.leaves
     ]
-    return replace(piece, leaves=copies)
+    return replace(piece, leaves=copies, owned=True)
 
 
 def _assemble(pieces: list[_Piece]) -> Any:
@@ -209,6 +210,14 @@ class Rebatcher:
     def pending(self) -> int:
         """Samples held for the next output batch."""
         return self._count
+
+    def own_pending(self) -> bool:
+        """Copy the pending samples out of the input they view, so that it can go (a consumer
+        at its hold limit that waits for the next input); True if there was such a view."""
+        if not self._parts or self._parts[-1].owned:
+            return False
+        self._parts[-1] = _own(self._parts[-1])
+        return True
 
     def push(self, batch: Any, first: int = 0) -> list:
         """Feed the next producer batch; return the output batches it completes (maybe none).

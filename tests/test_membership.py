@@ -358,6 +358,24 @@ def test_every_batch_size_gets_every_sample_once_per_epoch_bit_exact(name):
             assert torch.equal(got_features.view(torch.int32), features[:n].view(torch.int32)), (b, drop)
 
 
+def test_a_recut_at_prefetch_2_holds_the_last_epochs_tail_into_the_next(name):
+    """README: prefetch counts the batch the loop variable still holds, 2 or more will do. A
+    re-cut (7 from 4) held the loop variable's tail of the last epoch (views of one producer
+    batch) and the new epoch's first samples (views of another) while it waited for the next
+    producer batch: all that prefetch=2 allows, and the second epoch raised Hoarding."""
+    epochs, samples = 2, 100
+    producer = Producer([(torch.arange(i, i + 4),) for i in range(0, samples, 4)], name=name, replay=0)
+    with serving(producer, epochs) as (server, errors):
+        with Consumer(name=name, batch_size=7, prefetch=2, timeout=10) as consumer:
+            for _ in range(epochs):
+                seen = []
+                for (ids,) in consumer:  # ids stays bound past the loop, as in any for loop
+                    seen.extend(ids.tolist())
+                assert seen == list(range(samples))
+        join_or_fail(server)
+    assert errors == []
+
+
 # ---------------------------------------------------------------------------- churn
 
 

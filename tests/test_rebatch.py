@@ -338,3 +338,17 @@ def test_inputs_are_released_once_nothing_pending_slices_them(producer: int, con
         assert alive == ([i] if rb.pending else [])
     rb.flush()
     assert all(r() is None for group in refs for r in group)
+
+
+def test_own_pending_copies_the_samples_held_for_the_next_batch_and_lets_their_input_go() -> None:
+    rb = Rebatcher(7)
+    batch = (torch.arange(4),)
+    ref = weakref.ref(batch[0])
+    assert rb.push(batch) == [] and rb.pending == 4
+    del batch
+    assert ref() is not None  # the pending samples are views of it
+    assert rb.own_pending() and ref() is None
+    assert not rb.own_pending()  # copied once
+    (out,) = rb.push((torch.arange(4, 8),))
+    assert out[0].tolist() == list(range(7))
+    assert not Rebatcher(3).own_pending()  # nothing pending

@@ -134,6 +134,7 @@ class Batches:
             start = self.pushed[-1][1] + self.pushed[-1][2] if self.pushed else -first
             self.pushed.append((self.last[1], start, n))
             self.ready.extend(self.rebatcher.push(batch, first))
+            batch = None  # the rebatcher's pending views alone hold it while we wait for the next
         out = self.ready.popleft()
         self.samples = batch_length(out)  # of the batch handed out, as next_batch() sets it
         self.handed += self.samples or 0
@@ -308,6 +309,11 @@ class Batches:
         limit = min(self.settings.prefetch, self.slots)
         if len(self.shared.live) < limit:
             return
+        # The samples a re-cut holds for its next batch are copied out (the batch they join
+        # is assembled anyway): with the loop variable's batch (the last epoch's tail, say)
+        # that was all it may hold, and the loop raised here.
+        if self.rebatcher is not None:
+            self.rebatcher.own_pending()
         gc.collect()  # batches kept alive only by reference cycles
         live = len(self.shared.live)
         if live >= limit:
