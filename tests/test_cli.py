@@ -514,6 +514,11 @@ def test_status_watch_count_without_a_producer(capsys: pytest.CaptureFixture[str
     assert time.monotonic() - started < 5
     out = capsys.readouterr().out
     assert out.count(f"no producer is serving {nobody}") == 3 and out.count("--- ") == 3
+    # --json: every line of stdout is JSON, also while no producer answers (one restarting)
+    assert main(["status", "--name", nobody, "--json", "--watch", "0.05", "--count", "2"]) == 1
+    captured = capsys.readouterr()
+    assert [json.loads(line) for line in captured.out.splitlines()] == [None, None]
+    assert captured.err.count(f"no producer is serving {nobody}") == 2
     assert main(["status", "--name", nobody, "--watch", "0"]) == 2
     assert "--watch must be > 0 seconds" in capsys.readouterr().err
     assert main(["status", "--name", nobody, "--count", "0"]) == 2

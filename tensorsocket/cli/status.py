@@ -60,7 +60,11 @@ def add_parser(sub: Any) -> None:
         help="with --watch (implied): stop after N reports; the exit code is then 1 if the last "
         "found no producer",
     )
-    p.add_argument("--json", action="store_true", help="print the raw status as JSON (one line per report)")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print the raw status as JSON (with --watch, one line per report: null when no producer answered)",
+    )
     p.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for an answer (default 2)")
     p.set_defaults(run=cmd_status)
 
@@ -270,6 +274,9 @@ def _watch(args: argparse.Namespace, once: Any, missing: str) -> int:
             found = status is not None
             if status is None:
                 previous = None
+                if args.json:  # every line stays JSON (a producer restarting, say): null
+                    print(text, file=sys.stderr, flush=True)
+                    text = "null"
             elif args.json:
                 text = json.dumps(status)
             else:
