@@ -301,29 +301,9 @@ class Batches:
 
     def _check_waiting(self) -> None:
         """Each TICK of a wait in next(): raise rather than wait for a batch that cannot come."""
-        self._check_hoarding()
+        _check_hoarding(self)
         siblings.check(self)
         _warn_group_forming(self)
-
-    def _check_hoarding(self) -> None:
-        limit = min(self.settings.prefetch, self.slots)
-        if len(self.shared.live) < limit:
-            return
-        # The samples a re-cut holds for its next batch are copied out (the batch they join
-        # is assembled anyway): with the loop variable's batch (the last epoch's tail, say)
-        # that was all it may hold, and the loop raised here.
-        if self.rebatcher is not None:
-            self.rebatcher.own_pending()
-        gc.collect()  # batches kept alive only by reference cycles
-        live = len(self.shared.live)
-        if live >= limit:
-            bound = f"prefetch={limit}" if limit < self.slots else f"the producer's slots={self.slots}"
-            raise Hoarding(
-                f"this consumer holds {live} batches, all it may hold ({bound}), "
-                "and waits for another: that can never arrive. "
-                "Drop references to old batches, use Consumer(copy=True), or give the producer "
-                "more slots"
-            )
 
     def _check_violation(self) -> None:
         message = None
@@ -331,6 +311,28 @@ class Batches:
             message = self.shared.violations.popleft()
         if message is not None:
             raise BatchModified(message)
+
+
+def _check_hoarding(batches: Batches) -> None:
+    """Raise Hoarding if this consumer holds all the batches it may and waits for another."""
+    limit, slots = min(batches.settings.prefetch, batches.slots), batches.slots
+    live = batches.shared.live
+    if len(live) < limit:
+        return
+    # The samples a re-cut holds for its next batch are copied out (the batch they join
+    # is assembled anyway): with the loop variable's batch (the last epoch's tail, say)
+    # that was all it may hold, and the loop raised here.
+    if batches.rebatcher is not None:
+        batches.rebatcher.own_pending()
+    gc.collect()  # batches kept alive only by reference cycles
+    if len(live) >= limit:
+        bound = f"prefetch={limit}" if limit < slots else f"the producer's slots={slots}"
+        raise Hoarding(
+            f"this consumer holds {len(live)} batches, all it may hold ({bound}), "
+            "and waits for another: that can never arrive. "
+            "Drop references to old batches, use Consumer(copy=True), or give the producer "
+            "more slots"
+        )
 
 
 def _warn_group_forming(batches: Batches) -> None:
