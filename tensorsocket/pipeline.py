@@ -12,6 +12,7 @@ import importlib
 import importlib.util
 import logging
 import os
+import re
 import sys
 import traceback
 from collections.abc import Callable
@@ -126,13 +127,29 @@ def load(spec: str) -> Callable[..., Any]:
     return obj
 
 
+_ORIGINAL = "Original Traceback (most recent call last):"
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+
+
 def describe(exc: BaseException) -> str:
-    """One line for an exception: type, message and where it was raised."""
-    text = f"{type(exc).__name__}: {exc}"
+    """One line for an exception: type, message and where it was raised. A DataLoader worker's
+    error, which torch raises again in the main process with the worker's whole traceback in
+    its message, is told by its first and last lines and where the worker raised it (not
+    where torch raised it again)."""
+    message = str(exc)
     frames = traceback.extract_tb(exc.__traceback__)
+    where = None
     if frames and frames[-1].filename != __file__:
-        last = frames[-1]
-        text += f" (at {last.filename}:{last.lineno})"
+        where = (frames[-1].filename, frames[-1].lineno)
+    if _ORIGINAL in message:
+        lines = [line.strip() for line in message.splitlines() if line.strip()]
+        found = _FRAME.findall(message)
+        message = f"{lines[0]} {lines[-1]}"
+        if found:
+            where = found[-1]
+    text = f"{type(exc).__name__}: {message}"
+    if where is not None:
+        text += f" (at {where[0]}:{where[1]})"
     return text
 
 

@@ -23,7 +23,7 @@ import torch
 
 from tensorsocket import Consumer, endpoint
 from tensorsocket.cli import bottleneck, build_parser, format_status, gpu_lines, main, query_status
-from tensorsocket.pipeline import PipelineError
+from tensorsocket.pipeline import PipelineError, describe
 from tensorsocket.pipeline import convert as _convert
 from tensorsocket.pipeline import load as load_pipeline
 from tensorsocket.pipeline import parse as parse_pipeline
@@ -438,6 +438,34 @@ def test_serve_refuses_a_gpu_this_process_cannot_see_in_one_line(pipeline: Path)
     assert done.returncode == 2, done.stderr
     assert "--device cuda:7: this process sees 2 GPU(s)" in done.stderr and "Traceback" not in done.stderr
     assert left_in_runtime_dir([name]) == []
+
+
+def test_a_dataloader_workers_error_is_described_in_one_line() -> None:
+    """torch raises a worker's error again with the worker's whole traceback in its message:
+    serve's 'serving stopped on an error' line was that traceback, ending '(at .../torch/_utils.py:N)'."""
+    from torch._utils import ExceptionWrapper
+
+    def worker() -> None:
+        raise RuntimeError("bad sample 30")
+
+    try:
+        worker()
+    except RuntimeError:
+        wrapped = ExceptionWrapper(where="in DataLoader worker process 1")
+    try:
+        wrapped.reraise()
+    except RuntimeError as exc:
+        text = describe(exc)
+    assert "\n" not in text, text
+    line = worker.__code__.co_firstlineno + 1
+    assert text == (
+        "RuntimeError: Caught RuntimeError in DataLoader worker process 1. RuntimeError: bad sample 30 "
+        f"(at {__file__}:{line})"
+    )
+    try:
+        worker()
+    except RuntimeError as exc:  # an error of the main process: as before
+        assert describe(exc) == f"RuntimeError: bad sample 30 (at {__file__}:{line})"
 
 
 def test_parsing_in_process(pipeline: Path, capsys: pytest.CaptureFixture[str]) -> None:
