@@ -16,6 +16,7 @@ from .errors import (
     ProducerLost,
     ProtocolError,
     Refused,
+    StateFileError,
     TensorSocketError,
 )
 
@@ -40,6 +41,7 @@ __all__ = [
     "Producer",
     "ProtocolError",
     "Refused",
+    "StateFileError",
     "TensorConsumer",
     "TensorProducer",
     "TensorSocketError",

@@ -70,5 +70,10 @@ class IoThreadDied(TensorSocketError):
     traceback); the producer or consumer can no longer send or receive."""
 
 
+class StateFileError(TensorSocketError, ValueError):
+    """``Producer(resume=True)``: the name's state file is damaged, or was saved over another
+    loader; the message says which and names the file (remove it to begin a fresh stream)."""
+
+
 class GpuPathError(TensorSocketError):
     """No way exists to get the producer's GPU batches to this consumer; says why and what to do."""

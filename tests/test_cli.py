@@ -440,6 +440,21 @@ def test_serve_refuses_a_gpu_this_process_cannot_see_in_one_line(pipeline: Path)
     assert left_in_runtime_dir([name]) == []
 
 
+def test_serve_resume_from_a_damaged_state_file_blames_the_file_not_the_pipeline(pipeline: Path) -> None:
+    name = unique_name("cli")
+    state = endpoint.runtime_dir() / f"{name}.sock.state"
+    state.write_bytes(b"\x00garbage")
+    try:
+        args = ["serve", f"{pipeline}:make", "--name", name, "--resume"]
+        done = subprocess.run(command(*args), cwd=ROOT, capture_output=True, text=True, timeout=90)
+    finally:
+        state.unlink(missing_ok=True)
+    assert done.returncode == 2, done.stderr
+    assert f"the state file {state} is not a readable producer state" in done.stderr, done.stderr
+    assert "remove it to begin a fresh stream" in done.stderr and "returned" not in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_a_dataloader_workers_error_is_described_in_one_line() -> None:
     """torch raises a worker's error again with the worker's whole traceback in its message:
     serve's 'serving stopped on an error' line was that traceback, ending '(at .../torch/_utils.py:N)'."""

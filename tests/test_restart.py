@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from tensorsocket import Consumer, Producer, ProducerLost, endpoint
+from tensorsocket import Consumer, Producer, ProducerLost, StateFileError, endpoint
 from tensorsocket.producer import restart
 from tests import restart_pipeline
 from tests.support import SPAWN, shm_segments, wait_until
@@ -253,16 +253,18 @@ def test_a_stateful_successor_that_dies_at_once_can_itself_be_resumed(name):
             lambda p: p.write_bytes(p.read_bytes()[: len(p.read_bytes()) // 2]),
             "not a readable producer state",
         ),
+        (lambda p: torch.save(_Hostile(), p), "not a readable producer state"),
     ],
-    ids=["garbage", "foreign", "truncated"],
+    ids=["garbage", "foreign", "truncated", "hostile"],
 )
 def test_a_damaged_state_file_is_refused_by_name_and_never_resumed(name, damage, message, tmp_path):
     path = _state_of_a_run(name, restart_pipeline.seeded(), 5)
     os.environ["TENSORSOCKET_TEST_PWNED"] = str(tmp_path / "pwned")
     damage(path)
-    with pytest.raises(ValueError, match=message) as info:
+    with pytest.raises(StateFileError, match=message) as info:  # (a ValueError, as before)
         Producer(restart_pipeline.seeded(), name=name, resume=True)
-    assert str(path) in str(info.value)
+    assert str(path) in str(info.value) and "remove it to begin a fresh stream" in str(info.value)
+    assert "weights_only" not in str(info.value)  # (torch's advice to load it unsafely)
     assert not (tmp_path / "pwned").exists()  # weights_only: nothing in the file ran
     restart.remove(path)
 

@@ -11,6 +11,7 @@ import threading
 from typing import Any
 
 from .. import endpoint as endpoints
+from ..errors import GpuPathError, StateFileError
 from ..options import STRAGGLERS, default_max_lag
 from ..pipeline import call as call_pipeline
 from ..pipeline import describe, keyvalue
@@ -234,7 +235,6 @@ def check_gpu(device: str) -> None:
     """A GPU ``--device`` (its name checked by :func:`producer_options`) names a GPU this
     process sees, through a GPU path that works here; UsageError in one line. Asked once the
     pipeline was made: a pipeline that needs a GPU says so itself first."""
-    from ..errors import GpuPathError
     from ..transport import parse_device
     from ..transport.device import backend
 
@@ -290,6 +290,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         check_gpu(args.device)
         try:
             producer = Producer(loader, endpoint=endpoint, **options)
+        except StateFileError as exc:  # (--resume: not the pipeline's fault)
+            raise UsageError(str(exc)) from None
         except (TypeError, ValueError) as exc:
             raise UsageError(f"pipeline {args.pipeline} returned {type(loader).__name__}: {exc}") from None
         if args.progress > 0:

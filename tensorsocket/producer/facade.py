@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from .. import endpoint as endpoints
-from ..errors import Closed, IoThreadDied, TensorSocketError
+from ..errors import Closed, IoThreadDied, StateFileError, TensorSocketError
 from ..flow import Flow
 from ..options import STRAGGLERS, default_max_lag
 from ..pooled_collate import LoaderPool
@@ -147,25 +147,29 @@ class Producer:
         self, resume: bool, pool: LoaderPool
     ) -> tuple[restart.Tracker | None, restart.Resumed | None]:
         """With ``resume``: the state file's tracker, and where the predecessor's stream goes
-        on (None: there is none, so a fresh stream begins). ValueError for a state file that
-        is damaged or was saved over another loader: never a wrong resume."""
+        on (None: there is none, so a fresh stream begins). StateFileError for a state file
+        that is damaged or was saved over another loader: never a wrong resume."""
         if not resume:  # a fresh stream on this name: an older state must not be resumed later
             if not self.endpoint.endswith(":*"):
                 restart.remove(restart.state_path(self.endpoint))
             return None, None
         path = restart.state_path(self.endpoint)
         description = restart.describe(self.loader, self.batches_per_epoch, self.samples_per_epoch)
-        state = restart.read(path)
-        resumed = None
-        if state is not None:
-            restart.check_matches(state, description, path)
-            try:  # (its own ValueErrors say what is wrong already)
+        try:  # (its own ValueErrors say what is wrong already)
+            state = restart.read(path)
+            resumed = None
+            if state is not None:
+                restart.check_matches(state, description, path)
                 resumed = restart.resume(self.loader, state, uuid.uuid4().hex, pool)
-            except (TypeError, AttributeError, KeyError, IndexError, RuntimeError) as exc:
-                raise ValueError(
-                    f"the state file {path} could not be applied ({type(exc).__name__}: {exc}): remove it "
-                    "to begin a fresh stream"
-                ) from exc
+        except ValueError as exc:
+            said = str(exc) if "fresh stream" in str(exc) else f"{exc}: remove it to begin a fresh stream"
+            raise StateFileError(said) from None
+        except (TypeError, AttributeError, KeyError, IndexError, RuntimeError) as exc:
+            raise StateFileError(
+                f"the state file {path} could not be applied ({type(exc).__name__}: {exc}): remove it "
+                "to begin a fresh stream"
+            ) from exc
+        if state is not None:
             log.info(
                 "resuming stream %s of %s at batch %d of epoch %d (%s)",
                 state.stream, self.endpoint, resumed.index, resumed.epoch,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import pickle
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,8 +86,12 @@ def decode(data: bytes, where: str) -> State:
     try:
         record = torch.load(io.BytesIO(data), weights_only=True)
     except Exception as exc:  # torch raises many kinds for a corrupt or hostile file
+        # Not torch's advice for an UnpicklingError (load it with weights_only=False: unsafe,
+        # and no help here); the line between says what it refused.
+        lines = [line for line in str(exc).splitlines() if line.strip() and "weights_only" not in line]
+        said = (lines[-1] if isinstance(exc, pickle.UnpicklingError) else lines[0]) if lines else ""
         raise ValueError(
-            f"{where} is not a readable producer state ({type(exc).__name__}: {str(exc)[:200]})"
+            f"{where} is not a readable producer state ({type(exc).__name__}: {said[:200]})"
         ) from None
     if not isinstance(record, dict) or record.get(_KEY) != FORMAT:
         raise ValueError(f"{where} is not a tensorsocket producer state of format {FORMAT}")
