@@ -154,7 +154,10 @@ def _slice(piece: _Piece, start: int, stop: int) -> _Piece:
 
 def _own(piece: _Piece) -> _Piece:
     """``piece`` with its tensors and arrays copied out of the producer's memory (batch-level 0-d
-    ones too), so that the producer batch it came from can be released."""
+    ones too), so that the producer batch it came from can be released; ``piece`` itself if
+    it holds copies already (:meth:`Rebatcher.own_pending` made them)."""
+    if piece.owned:
+        return piece
     copies = [
         v.clone() if isinstance(v, torch.Tensor) else v.copy() if isinstance(v, np.ndarray) else v
         for v in piece.leaves
