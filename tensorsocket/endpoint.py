@@ -21,11 +21,11 @@ _LOCK_TRIES = 5  # a lock file removed between our open and our flock: open it a
 #: (a DataLoader's worker) shares: after a SIGKILL its children held the name until they noticed
 #: (up to torch's 5 s watchdog), and the supervisor's restart was refused, naming the dead pid.
 #: A child closes its copies at once (it never serves the name).
-_HELD: dict[int, IO[str]] = {}
+_HELD: set[IO[str]] = set()
 
 
 def _drop_inherited_locks() -> None:
-    for held in list(_HELD.values()):
+    for held in list(_HELD):
         with contextlib.suppress(OSError):
             held.close()
     _HELD.clear()
@@ -137,7 +137,7 @@ def lock(endpoint: str) -> IO[str] | None:
             f.truncate(0)
             f.write(str(os.getpid()))
             f.flush()
-            _HELD[id(f)] = f
+            _HELD.add(f)
             return f
         f.close()
     raise RuntimeError(
@@ -153,7 +153,7 @@ def unlock(endpoint: str, held: IO[str] | None) -> None:
     restarted producer resumes from."""
     if held is None:
         return
-    _HELD.pop(id(held), None)
+    _HELD.discard(held)
     path = endpoint[6:]
     try:
         for leftover in (path, path + ".lock"):

@@ -36,7 +36,8 @@ def main(argv: list[str]) -> int:
 
     Binds, writes its endpoint to ``--ready-file``, waits until every one of ``--trials``
     trials joined (``--per-trial`` consumers each) or was reported on stdin as ``exited``,
-    serves ``--epochs`` epochs and exits. ``stop`` on stdin, or stdin closing (the sweep is gone), ends the stream early.
+    serves ``--epochs`` epochs and exits. ``stop`` on stdin, or stdin closing (the sweep is
+    gone), ends the stream early.
     """
     from ...producer import Producer
 
