@@ -207,33 +207,8 @@ def test_a_wave_waits_for_every_consumer_of_trials_that_open_two(workdir: Path) 
 def test_ctrl_c_stops_trainers_and_producer(workdir: Path) -> None:
     """Also: the producer does not wait for a trial that exits before it joins (a=1)."""
     logs = workdir / "logs"
-    proc = subprocess.Popen(
-        [
-            sys.executable, "-m", "tensorsocket.cli.sweep",
-            "--pipeline", "pipe.py:make",
-            "--trainer", "python trainer.py --epochs 100000 --step 0.2",
-            "--grid", "a=0,1",
-            "--epochs", "100000",
-            "--logs", str(logs),
-        ],
-        cwd=workdir,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )  # fmt: skip
+    proc = _start_serving_sweep(workdir, logs, "a=0,1")
     try:
-
-        def serving_started() -> bool:
-            assert proc.poll() is None, _read(logs / "producer.log")
-            return "serving 100000 epoch(s)" in _read(logs / "producer.log")
-
-        wait_until(
-            serving_started,
-            40,
-            lambda: f"the sweep's producer to serve; its log: {_read(logs / 'producer.log')}",
-            interval=0.1,
-        )
-        time.sleep(0.5)
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=40)
     finally:
@@ -244,7 +219,7 @@ def test_ctrl_c_stops_trainers_and_producer(workdir: Path) -> None:
     assert [t["status"] for t in trials] == ["stopped", "failed"]
     assert trials[1]["exit_code"] == 5
     assert "1 consumer(s) joined" in _read(logs / "producer.log")
-    trainer_pids = [int(re.search(r"^pid (\d+)", Path(t["log"]).read_text(), re.M).group(1)) for t in trials]
+    trainer_pids = [_trainer_pid(Path(t["log"])) for t in trials]
     (producer,) = producer_pids(logs)
     for pid in [*trainer_pids, producer]:
         assert not pid_alive(pid), pid
@@ -252,14 +227,15 @@ def test_ctrl_c_stops_trainers_and_producer(workdir: Path) -> None:
     assert "closed" in _read(logs / "producer.log")
 
 
-def _start_serving_sweep(workdir: Path, logs: Path) -> subprocess.Popen[str]:
-    """A sweep of one long trial (a=0), once its producer serves."""
+def _start_serving_sweep(workdir: Path, logs: Path, grid: str = "a=0") -> subprocess.Popen[str]:
+    """A sweep of long trials (a=0: one that runs; a=1 exits before it joins), once its
+    producer serves."""
     proc = subprocess.Popen(
         [
             sys.executable, "-m", "tensorsocket.cli.sweep",
             "--pipeline", "pipe.py:make",
             "--trainer", "python trainer.py --epochs 100000 --step 0.2",
-            "--grid", "a=0",
+            "--grid", grid,
             "--epochs", "100000",
             "--logs", str(logs),
         ],
