@@ -25,8 +25,8 @@ Stragglers, with ``max_lag`` set (policy ``skip``): the window then bounds the l
 *leading* consumer (the one with the least lag) instead of the slowest, and a consumer more
 than ``max_lag`` batches behind the leader is moved ahead past its oldest unsent batches,
 which it never receives; a :class:`Skipped` action tells it how many, right where the gap
-is. Epoch markers are never skipped. A joiner that starts further behind (a replay) is
-exempt until it has caught up to ``max_lag``; meanwhile the others wait for it, as in
+is. Epoch markers are never skipped. A joiner that starts behind the leader (a replay) is
+exempt until it has caught up with the leader; meanwhile the others wait for it, as in
 ``stall``.
 
 Joining (per consumer, :class:`LateJoin`): at an epoch's start, or after END, every policy
@@ -217,15 +217,15 @@ class Flow(Replaying):
         return None
 
     def _begin(self, cids: list[Hashable]) -> list[Action]:
-        """Send newly started consumers what they may take; a joiner further behind than the
-        limit is catching up (the others wait for it)."""
+        """Send newly started consumers what they may take; a joiner that has not caught up
+        (:meth:`_caught_up`) is catching up: the others wait for it."""
         out: list[Action] = []
         for cid in cids:
             out.extend(self._deliver(cid, self.consumers[cid]))
         leader = self._leader_lag()
         for cid in cids:
             state = self.consumers[cid]
-            state.catching_up = not self._within_limit(state, leader)
+            state.catching_up = not self._caught_up(state, leader)
         return out + self._settle()
 
     def _join_group(
@@ -525,7 +525,7 @@ class Flow(Replaying):
 
     def _settle(self) -> list[Action]:
         """After any change: (policy skip) move consumers more than ``max_lag`` behind the
-        leader ahead; then clear ``catching_up`` for joiners now within their limit."""
+        leader ahead; then clear ``catching_up`` for joiners that have caught up."""
         out: list[Action] = []
         if self.max_lag is None:  # stall: lags are measured from the newest batch, no leader
             leader = 0
@@ -535,7 +535,7 @@ class Flow(Replaying):
                 if not state.catching_up and self._lag(state) - leader > self.max_lag:
                     out.extend(self._skip(cid, state, leader + self.max_lag))
         for state in self.consumers.values():
-            if state.catching_up and self._within_limit(state, leader):
+            if state.catching_up and self._caught_up(state, leader):
                 state.catching_up = False
         return out
 
@@ -578,6 +578,15 @@ class Flow(Replaying):
         if self.max_lag is None:
             return self._lag(state) <= self.window
         return self._lag(state) - leader <= self.max_lag
+
+    def _caught_up(self, state: ConsumerState, leader: int) -> bool:
+        """Has a joiner caught up? stall: once within ``window``. skip: once as far as the
+        leader, not merely within ``max_lag`` of it: a joiner let go at ``max_lag`` behind is
+        skipped at the next batch unless its releases reach the producer at once, so it would
+        lose the very batches the others had just waited for."""
+        if self.max_lag is None:
+            return self._lag(state) <= self.window
+        return self._lag(state) <= leader
 
     def _window_open(self) -> bool:
         """May batch ``next_seq`` be published? stall: not while any consumer lags ``window``

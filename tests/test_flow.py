@@ -171,9 +171,15 @@ class FlowMachine(RuleBasedStateMachine):
             return self._lag(m) <= self.window
         return self._lag(m) - self._leader_lag() <= self.max_lag
 
+    def _caught_up(self, m: ConsumerModel) -> bool:
+        """stall: within ``window``; skip: as far as the leader (not merely within ``max_lag``)."""
+        if self.max_lag is None:
+            return self._lag(m) <= self.window
+        return self._lag(m) <= self._leader_lag()
+
     def _update_catching_up(self) -> None:
         for m in self.consumers.values():
-            if m.catching_up and self._within(m):
+            if m.catching_up and self._caught_up(m):
                 m.catching_up = False
 
     def _check_lags(self) -> None:
@@ -191,7 +197,7 @@ class FlowMachine(RuleBasedStateMachine):
             if self.max_lag is None:
                 if self._lag(m) >= self.window:
                     blocked.append(cid)
-            elif leader >= self.window or (m.catching_up and self._lag(m) - leader >= self.max_lag):
+            elif leader >= self.window or m.catching_up:
                 blocked.append(cid)
         return blocked
 
@@ -959,7 +965,10 @@ def test_skip_measures_lag_from_the_leader_and_the_window_from_the_leader() -> N
     check_invariants(flow)
 
 
-def test_skip_waits_for_a_joiner_until_it_is_within_max_lag_of_the_leader() -> None:
+def test_skip_waits_for_a_joiner_until_it_has_caught_up_with_the_leader() -> None:
+    """Not merely until it is within ``max_lag``: let go there, its next batch would find it
+    ``max_lag + 1`` behind unless its release had reached the producer at once, and it would
+    be skipped past the batches the others had just waited for it to read."""
     flow = Flow(window=4, places=12, max_lag=2)
     flow.join("lead", prefetch=4)
     for _ in range(6):
@@ -967,12 +976,18 @@ def test_skip_waits_for_a_joiner_until_it_is_within_max_lag_of_the_leader() -> N
         flow.release("lead", list(flow.consumers["lead"].held))
     flow.join("late", prefetch=1)  # replays from 0: 5 batches behind the leader
     assert flow.consumers["late"].catching_up and flow.lag("late") == 5
-    for seq in range(2):  # 3 and then 2 behind the leader: still waited for
+    for seq in range(4):  # 4, 3, 2 (within max_lag) and 1 behind the leader: still waited for
         flow.release("late", [seq])
-        assert flow.reserve() is None, seq
-    flow.release("late", [2])  # 2 behind, within max_lag: no longer catching up
-    assert flow.lag("late") == 2 and not flow.consumers["late"].catching_up
-    assert flow.reserve() is not None
+        assert flow.consumers["late"].catching_up and flow.reserve() is None, seq
+    flow.release("late", [4])  # as far as the leader: caught up
+    assert flow.lag("late") == 0 and not flow.consumers["late"].catching_up
+    check_invariants(flow)
+    for seq in (6, 7):  # late holds 5 and releases nothing yet: max_lag's slack, as the leader's
+        _, out = publish(flow)
+        flow.release("lead", [seq])
+        assert skips(out, "late") == 0 and flow.lag("late") == seq - 5
+    _, out = publish(flow)  # now 3 behind: moved past its oldest unsent batch, as anyone
+    assert skips(out, "late") == 1 and flow.consumers["late"].skipped == 1
     check_invariants(flow)
 
 
