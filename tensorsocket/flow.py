@@ -572,18 +572,9 @@ class Flow(Replaying):
     def _leader_lag(self) -> int:
         return min((self._lag(c) for c in self._active()), default=0)
 
-    def _within_limit(self, state: ConsumerState, leader: int) -> bool:
-        """stall: at most ``window`` batches behind the newest; skip: at most ``max_lag``
-        behind the leader (whose lag is ``leader``)."""
-        if self.max_lag is None:
-            return self._lag(state) <= self.window
-        return self._lag(state) - leader <= self.max_lag
-
     def _caught_up(self, state: ConsumerState, leader: int) -> bool:
-        """Has a joiner caught up? stall: once within ``window``. skip: once as far as the
-        leader, not merely within ``max_lag`` of it: a joiner let go at ``max_lag`` behind is
-        skipped at the next batch unless its releases reach the producer at once, so it would
-        lose the very batches the others had just waited for."""
+        """Has a joiner caught up? stall: within ``window``. skip: as far as the leader (let go at
+        ``max_lag`` behind, a batch before its next release would skip it: no slack at all)."""
         if self.max_lag is None:
             return self._lag(state) <= self.window
         return self._lag(state) <= leader

@@ -25,8 +25,9 @@ def check_invariants(flow: Flow) -> None:
         if c.wants is not None:  # it waits at a kept batch in no place, with room to take it
             assert c.wants == c.cursor and c.wants in flow._kept_set and not flow._resident(c.wants), (cid, c)
             assert len(c.held) < c.prefetch, (cid, c)
-        if not c.catching_up:
-            assert flow._within_limit(c, flow._leader_lag()), ("lags too far", cid, c, flow._leader_lag())
+        if not c.catching_up:  # stall: within the window of the newest; skip: max_lag of the leader
+            limit = flow.window if flow.max_lag is None else flow._leader_lag() + flow.max_lag
+            assert flow._lag(c) <= limit, ("lags too far", cid, c, flow._leader_lag())
     if flow._replay_open and not flow.ended:
         for seq in range(flow._epoch_start, flow.next_seq):
             assert flow._available(seq), ("replay window lost", seq)
