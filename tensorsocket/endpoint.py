@@ -145,6 +145,30 @@ def lock(endpoint: str) -> IO[str] | None:
     )
 
 
+def holder(endpoint: str) -> int | None:
+    """The pid of the process holding an ipc endpoint's lock now (0 where its pid is not
+    visible from here: another pid namespace), or None: a tcp endpoint, nobody holds it, or
+    the kernel's lock table cannot be read. Read from ``/proc/locks`` rather than by trying
+    the lock: a probe holding it even for an instant could make a producer starting then
+    refuse the name."""
+    if not endpoint.startswith("ipc://"):
+        return None
+    try:
+        st = os.stat(endpoint[6:] + ".lock")
+        with open("/proc/locks") as f:
+            table = f.read()
+    except OSError:
+        return None
+    file = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    for line in table.splitlines():
+        # "1: FLOCK  ADVISORY  WRITE 25628 fe:00:2147407 0 EOF" (a waiter's has "->" after
+        # the id; a lock taken with LOCK_NB has none)
+        fields = line.split()
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == file:
+            return max(0, int(fields[4])) if fields[4].lstrip("-").isdigit() else 0
+    return None
+
+
 def unlock(endpoint: str, held: IO[str] | None) -> None:
     """Give up an ipc endpoint whose lock ``held`` is: remove its socket file (a stale one if
     the bind's own clean-up did not) and its lock file, then release the lock. So a

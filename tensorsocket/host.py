@@ -35,12 +35,26 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
+    return process_state(pid) != "Z"
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of process ``pid`` (``R`` running, ``S`` sleeping, ``T`` stopped,
+    ``t`` stopped by a debugger, ``Z`` a zombie, ...), or None where it cannot be read."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            # Field 3, after the parenthesised command name, is the state; Z is a zombie.
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+            # Field 3, after the parenthesised command name, is the state.
+            return f.read().rsplit(b")", 1)[1].split()[0].decode("ascii", "replace")
     except (OSError, IndexError):
-        return True
+        return None
+
+
+def stopped(pid: int) -> str:
+    """If process ``pid`` is stopped, a line saying so and how to resume it; else "". A
+    stopped peer is alive, so only silence gives it away: this says why it is silent."""
+    if pid > 0 and process_state(pid) in ("T", "t"):
+        return f"it is stopped (SIGSTOP, Ctrl-Z or a debugger): kill -CONT {pid} resumes it"
+    return ""
 
 
 def pid_watch(pid: int) -> int | None:

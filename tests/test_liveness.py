@@ -20,7 +20,7 @@ import pytest
 import zmq
 
 from tensorsocket import Consumer, Evicted, Producer, ProducerLost
-from tensorsocket.endpoint import lock, resolve, runtime_dir, unlock
+from tensorsocket.endpoint import holder, lock, resolve, runtime_dir, unlock
 from tests.support import (
     SPAWN,
     NestedLoader,
@@ -185,7 +185,43 @@ def test_stopped_producer_is_lost_after_the_silence_timeout(name):
         # Alive but silent: only the silence timeout can notice it, never sooner.
         assert timeout - 0.5 <= elapsed < timeout + 1.0, f"ProducerLost after {elapsed:.2f} s"
         assert consumer.endpoint in str(lost.value)
+        assert f"it is stopped (SIGSTOP, Ctrl-Z or a debugger): kill -CONT {pid} resumes it" in str(
+            lost.value
+        )
         assert tensorsocket_threads(threads) == []
+
+
+def test_a_stopped_producer_is_named_to_joiners_and_to_trainers_waiting_for_a_successor(name):
+    """A producer that is stopped still holds its name, so no successor can come: a joiner, and
+    a trainer that waited its ``reconnect`` for one, are told which process holds the name and
+    how to resume it, not to start a producer (which would be refused)."""
+    batches = 50
+    proc, ready = start_producer_process(name, batches, delay=0.05)
+    with reaped(proc):
+        pid = ready.get(timeout=60)
+        consumer = Consumer(name=name, timeout=1, reconnect=1)
+        try:
+            it = iter(consumer)
+            assert same(next(it), expected_batch(0, batches))
+            os.kill(pid, signal.SIGSTOP)
+            with pytest.raises(ProducerLost) as lost:
+                for _ in range(batches):
+                    next(it)
+        finally:
+            consumer.close()
+        resume = f"it is stopped (SIGSTOP, Ctrl-Z or a debugger): kill -CONT {pid} resumes it"
+        waited = str(lost.value).split("waited 1 s for a producer to continue the stream: ", 1)[1]
+        assert waited.startswith(
+            f"the producer at {consumer.endpoint} (pid {pid}) holds the name but did not answer"
+        )
+        assert resume in waited and waited.endswith("another producer can take the name only once it ends")
+        with pytest.raises(ProducerLost) as refused:
+            Consumer(name=name, timeout=0.5)
+        assert f"(pid {pid}) holds the name but did not answer within 0.5 s: {resume}" in str(refused.value)
+        assert "start one" not in str(refused.value)
+        os.kill(pid, signal.SIGCONT)  # resumed, it serves again
+        with Consumer(name=name, timeout=10, late_join="now") as joiner:
+            assert next(iter(joiner)) is not None
 
 
 def test_consumer_without_producer_times_out_naming_the_endpoint(name):
@@ -374,6 +410,20 @@ def test_the_name_lock_excludes_while_holders_remove_its_file(name, tmp_path):
     assert not os.path.exists(endpoint[len("ipc://") :] + ".lock")
 
 
+def test_the_holder_of_a_name_is_read_from_the_kernels_lock_table(name):
+    endpoint = resolve(name=name)
+    assert holder(endpoint) is None  # no lock file
+    held = lock(endpoint)
+    try:
+        assert holder(endpoint) == os.getpid()
+    finally:
+        unlock(endpoint, held)
+    assert holder(endpoint) is None
+    Path(endpoint[len("ipc://") :] + ".lock").write_text("12345")  # a crashed holder's file: not held
+    assert holder(endpoint) is None
+    assert holder("tcp://127.0.0.1:5555") is None
+
+
 def test_second_producer_on_a_bound_tcp_port_is_refused_without_leaking():
     with Producer(NestedLoader(1), endpoint="tcp://127.0.0.1:*") as producer:
         fds = open_fds()
@@ -470,8 +520,14 @@ def test_consumer_that_gave_up_on_a_slow_welcome_leaves_no_ghost(name, caplog):
     producer = Producer(NestedLoader(2), name=name, slots=2, replay=0)
     try:
         with producer._shared.changed:  # the I/O thread cannot handle the HELLO until we let go
-            with pytest.raises(ProducerLost, match="no producer answered"):
+            with pytest.raises(ProducerLost) as lost:
                 Consumer(name=name, timeout=0.5, label="impatient")
+            # It holds the name (this process does), so "start one" would mislead.
+            assert (
+                f"(pid {os.getpid()}) holds the name but did not answer within 0.5 s: it is running"
+                in str(lost.value)
+            )
+            assert f"py-spy dump --pid {os.getpid()}" in str(lost.value)
         wait_until(
             lambda: any("impatient" in r.getMessage() and "left" in r.getMessage() for r in caplog.records),
             5,

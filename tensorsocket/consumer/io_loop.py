@@ -18,7 +18,7 @@ import zmq
 
 from .. import protocol
 from ..errors import ProducerLost, ProtocolError, Refused
-from ..host import pid_alive, pid_watch, same_host
+from ..host import pid_alive, pid_watch, same_host, stopped
 from ..layout_table import Recipes
 from ..protocol import Kind
 from ..transport import Reader
@@ -224,7 +224,9 @@ class ConsumerIo(Inbox):
             if not pid_alive(self.producer_pid):
                 return self._lost(f"the producer at {self.endpoint} (pid {self.producer_pid}) died", clock)
         if now - self.last_seen > timeout:
-            return self._lost(f"no message from the producer at {self.endpoint} for {timeout:g} s", clock)
+            why = f"no message from the producer at {self.endpoint} for {timeout:g} s"
+            note = stopped(self.producer_pid) if self.producer_local else ""  # alive, so say why
+            return self._lost(f"{why}: {note}" if note else why, clock)
         return True
 
     def _ready_at(self, restored: list[Any] | None) -> list[Any] | None:
