@@ -12,6 +12,8 @@ import tempfile
 from pathlib import Path
 from typing import IO
 
+from .host import stopped
+
 ENV = "TENSORSOCKET_ENDPOINT"
 DEFAULT_NAME = "default"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -167,6 +169,25 @@ def holder(endpoint: str) -> int | None:
         if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == file:
             return max(0, int(fields[4])) if fields[4].lstrip("-").isdigit() else 0
     return None
+
+
+def silent_holder(endpoint: str, wait: float) -> str | None:
+    """When nothing answered at ``endpoint`` for ``wait`` seconds though a process holds its
+    name: which one, and why it may be silent; None when nobody holds it. (A new producer
+    would be refused the name until that one ends, so "start one" would mislead.)"""
+    pid = holder(endpoint)
+    if pid is None:
+        return None
+    who = f"the producer at {endpoint} (pid {pid})" if pid else f"the producer at {endpoint}"
+    where = f" (py-spy dump --pid {pid} shows where)" if pid else ""
+    why = (
+        stopped(pid)
+        or f"it is running but not answering: stuck, or busy without letting its I/O thread run{where}"
+    )
+    return (
+        f"{who} holds the name but did not answer within {wait:g} s: {why}; "
+        "another producer can take the name only once it ends"
+    )
 
 
 def unlock(endpoint: str, held: IO[str] | None) -> None:

@@ -219,6 +219,12 @@ def test_a_stopped_producer_is_named_to_joiners_and_to_trainers_waiting_for_a_su
             Consumer(name=name, timeout=0.5)
         assert f"(pid {pid}) holds the name but did not answer within 0.5 s: {resume}" in str(refused.value)
         assert "start one" not in str(refused.value)
+        status = subprocess.run(
+            [sys.executable, "-m", "tensorsocket", "status", "--name", name, "--timeout", "0.5"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert status.returncode == 1 and f"(pid {pid}) holds the name" in status.stderr, status
+        assert resume in status.stderr, status.stderr
         os.kill(pid, signal.SIGCONT)  # resumed, it serves again
         with Consumer(name=name, timeout=10, late_join="now") as joiner:
             assert next(iter(joiner)) is not None

@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .. import endpoint as endpoints
@@ -231,9 +232,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     label = args.name
     if label is None and args.endpoint is None and not os.environ.get(endpoints.ENV):
         label = endpoints.DEFAULT_NAME
-    missing = (
-        f"no producer is serving {label} ({endpoint})" if label else f"no producer is serving {endpoint}"
-    )
+
+    def missing() -> str:  # (a stopped or stuck producer still holds the name: say so)
+        served = f"{label} ({endpoint})" if label else endpoint
+        return endpoints.silent_holder(endpoint, args.timeout) or f"no producer is serving {served}"
 
     def once() -> ProducerStatus | None:
         try:
@@ -248,14 +250,14 @@ def cmd_status(args: argparse.Namespace) -> int:
             error(str(exc))
             return EXIT_FAIL
         if status is None:
-            print(missing, file=sys.stderr)
+            print(missing(), file=sys.stderr)
             return EXIT_FAIL
         print(json.dumps(status, indent=2) if args.json else format_status(status), flush=True)
         return EXIT_OK
     return _watch(args, once, missing)
 
 
-def _watch(args: argparse.Namespace, once: Any, missing: str) -> int:
+def _watch(args: argparse.Namespace, once: Any, missing: Callable[[], str]) -> int:
     # SIGINT stops the watch however it was started: a process started in the background by
     # a shell without job control inherits SIGINT ignored, and Python then installs no
     # KeyboardInterrupt handler of its own (a CI run once waited 90 s on exactly that).
@@ -268,12 +270,12 @@ def _watch(args: argparse.Namespace, once: Any, missing: str) -> int:
         while True:
             started = time.monotonic()
             try:
-                status, text = once(), missing
+                status, text = once(), ""
             except RuntimeError as exc:
                 status, text = None, f"tensorsocket: error: {exc}"
             found = status is not None
             if status is None:
-                previous = None
+                previous, text = None, text or missing()
                 if args.json:  # every line stays JSON (a producer restarting, say): null
                     print(text, file=sys.stderr, flush=True)
                     text = "null"

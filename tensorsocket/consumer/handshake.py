@@ -14,7 +14,7 @@ import zmq
 from .. import endpoint as endpoints
 from .. import protocol
 from ..errors import ProducerLost, ProtocolError, Refused
-from ..host import boot_id, pid_namespace, stopped
+from ..host import boot_id, pid_namespace
 from ..protocol import Kind
 from ..transport import Reader, open_reader
 from .shared import Settings, Shared
@@ -77,7 +77,11 @@ def join(
             break
         shared.io_tick = time.monotonic()  # turning, not frozen (see Batches.catch_up_after_freeze)
         if overdue or shared.stop.is_set():
-            raise ProducerLost(_no_answer(settings.endpoint, wait))
+            raise ProducerLost(
+                endpoints.silent_holder(settings.endpoint, wait)
+                or f"no producer answered at {settings.endpoint} within {wait:g} s; start one with "
+                "Producer(loader, name=...) or check the name / endpoint"
+            )
         overdue = time.monotonic() >= deadline
     kind, msg = protocol.decode(socket.recv(), protocol.MAX_REPLY_BYTES)
     if kind is Kind.WELCOME:
@@ -85,24 +89,3 @@ def join(
     if kind in (Kind.ERROR, Kind.EVICTED):
         raise Refused(f"the producer at {settings.endpoint} refused to serve us: {msg['reason']}")
     raise ProtocolError(f"expected WELCOME from {settings.endpoint}, got {kind.value}")
-
-
-def _no_answer(endpoint: str, wait: float) -> str:
-    """Why nobody answered: no producer, or one that holds the name and is stopped or stuck
-    (a successor cannot take the name until it ends, so "start one" would mislead)."""
-    pid = endpoints.holder(endpoint)
-    if pid is None:
-        return (
-            f"no producer answered at {endpoint} within {wait:g} s; start one with "
-            "Producer(loader, name=...) or check the name / endpoint"
-        )
-    who = f"the producer at {endpoint} (pid {pid})" if pid else f"the producer at {endpoint}"
-    where = f" (py-spy dump --pid {pid} shows where)" if pid else ""
-    why = (
-        stopped(pid)
-        or f"it is running but not answering: stuck, or busy without letting its I/O thread run{where}"
-    )
-    return (
-        f"{who} holds the name but did not answer within {wait:g} s: {why}; "
-        "another producer can take the name only once it ends"
-    )
