@@ -161,14 +161,18 @@ def holder(endpoint: str) -> int | None:
             table = f.read()
     except OSError:
         return None
-    file = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    device = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
+    found = []
     for line in table.splitlines():
         # "1: FLOCK  ADVISORY  WRITE 25628 fe:00:2147407 0 EOF" (a waiter's has "->" after
         # the id; a lock taken with LOCK_NB has none)
         fields = line.split()
-        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == file:
-            return max(0, int(fields[4])) if fields[4].lstrip("-").isdigit() else 0
-    return None
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5].rpartition(":")[2] == str(st.st_ino):
+            pid = max(0, int(fields[4])) if fields[4].lstrip("-").isdigit() else 0
+            if fields[5].startswith(device + ":"):
+                return pid
+            found.append(pid)  # (overlayfs: stat's device is not always the one locks name)
+    return found[0] if len(found) == 1 else None
 
 
 def silent_holder(endpoint: str, wait: float) -> str | None:
