@@ -27,6 +27,7 @@ class Replaying:
     _kept: Any  # collections.deque[int]: kept seqs, oldest first (a suffix of the batches)
     _kept_set: set[int]
     _restaging: dict[int, int]  # place -> the kept seq being written into it again
+    blocked: bool = False  # see restage()
 
     def _keep(self, seq: int, keep: int) -> None:
         """Batch ``seq`` was just published: keep the newest ``keep`` batches; one still owed
@@ -46,7 +47,7 @@ class Replaying:
             if not self._resident(oldest):
                 self._lose(oldest)
 
-    def restage(self) -> tuple[int, int] | None:
+    def restage(self, grow: bool = False) -> tuple[int, int] | None:
         """A kept batch some consumer waits for (it is in no place now: a joiner replaying it)
         and a place to write it into again, or None while there is none or no place is free.
         The producer writes it there and calls :meth:`restaged`. Ignores the window: only the
@@ -55,11 +56,19 @@ class Replaying:
         The place: a never-used one, else the oldest batch nobody holds or is owed, else, of
         the kept batches nobody holds and only waiting consumers are owed, the newest (the one
         its waiters need last). A batch owed to a consumer that is not waiting is never taken:
-        it would make that one wait for a re-stage too."""
+        it would make that one wait for a re-stage too. Else, with ``grow`` and every place
+        held, a new place: a trainer in a ``for`` loop holds the batch it last got while it
+        waits for the next, so with as many such batches as places nothing could ever move
+        again (the others wait for the joiner, the joiner for a place). The producer asks
+        for one once a joiner has waited a while (holders that are only slow let go), so
+        the places grow rarely, by one, and never past what the consumers may hold (their
+        ``prefetch``) plus one. ``blocked``: a consumer waits for a re-stage, and no place
+        could take its batch just now."""
         wanted = [c.wants for c in self.consumers.values() if c.wants is not None]
         if wanted:  # (none, nearly always: asked before every batch's place)
             busy = set(self._restaging.values())
             wanted = [seq for seq in wanted if seq not in busy]
+        self.blocked = False
         if not wanted:
             return None
         seq = min(wanted)  # type: ignore[type-var]
@@ -74,9 +83,14 @@ class Replaying:
                 for i in self._unheld()
                 if self._places[i].seq in self._kept_set and self._places[i].seq < streaming_from  # type: ignore[operator]
             ]
-            if not kept:
+            if kept:
+                place = max(kept, key=lambda i: self._places[i].seq)  # type: ignore[arg-type, return-value]
+            elif grow and all(s.state is PlaceState.PUBLISHED and s.holders for s in self._places):
+                self._places.append(Place())
+                place = len(self._places) - 1
+            else:
+                self.blocked = True
                 return None
-            place = max(kept, key=lambda i: self._places[i].seq)  # type: ignore[arg-type, return-value]
         self._fill(place)
         self._restaging[place] = seq
         return seq, place

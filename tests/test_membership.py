@@ -91,6 +91,23 @@ class Reader(threading.Thread):
 # ---------------------------------------------------------------------------- late joiners
 
 
+def finish(consumers: list[Any], server: threading.Thread, errors: list[BaseException]) -> None:
+    """Join the consumer processes and the serving thread; the producer raised nothing."""
+    for p in consumers:
+        p.join(timeout=10)
+    join_or_fail(server)
+    assert errors == []
+
+
+def assert_whole_epochs(reports: list[dict[str, Any]], epochs: int, batches: int) -> None:
+    """Every ``run_consumer`` report: every batch of every epoch once, bit for bit, then END."""
+    for report in reports:
+        assert report["error"] is None, report["error"]
+        assert report["bad"] == []
+        assert report["seen"] == [(e, i) for e in range(epochs) for i in range(batches)]
+        assert report["finished"] and report["after_end"] == 0
+
+
 def test_joiner_inside_the_replay_window_sees_the_whole_epoch_in_its_own_process(name):
     """Leader and joiner are real processes that check every batch bit for bit by index."""
     batches, epochs = 12, 2
@@ -108,15 +125,27 @@ def test_joiner_inside_the_replay_window_sees_the_whole_epoch_in_its_own_process
         status = producer.status()
         assert status["places"] == 2 and status["kept_batches"] >= 4, status  # no place but the window's
         reports = [results.get(timeout=60), joined.get(timeout=60)]
-        for p in leaders + joiners:
-            p.join(timeout=10)
-        join_or_fail(server)
-        assert errors == []
-    for report in reports:
-        assert report["error"] is None, report["error"]
-        assert report["bad"] == []
-        assert report["seen"] == [(e, i) for e in range(epochs) for i in range(batches)]
-        assert report["finished"] and report["after_end"] == 0
+        finish(leaders + joiners, server, errors)
+    assert_whole_epochs(reports, epochs, batches)
+
+
+def test_a_joiner_and_a_leader_each_holding_their_last_batch_do_not_wait_for_ever(name, caplog):
+    """slots=2: the leader's loop holds batch N-1 while it waits for N, which waits for the
+    joiner; the joiner's holds the batch it last got while it waits for the next, kept and in
+    no place. With both places held nothing ever moved again (every consumer waited, heartbeats
+    kept them all connected): the producer now adds a place once the joiner has waited a while."""
+    batches, epochs = 12, 2
+    producer = Producer(NestedLoader(batches, delay=0.05), name=name, slots=2)
+    go = SPAWN.Event()
+    joiners, joined = start_consumers(name, 1, epochs, batches, go=go, hold=1)
+    with caplog.at_level(logging.INFO, logger="tensorsocket"), serving(producer, epochs) as (server, errors):
+        leaders, results = start_consumers(name, 1, epochs, batches, hold=1)
+        wait_until(lambda: producer.status()["next_seq"] >= 5, 30, "batches 0-2 to leave their places")
+        go.set()
+        reports = [results.get(timeout=60), joined.get(timeout=60)]
+        finish(leaders + joiners, server, errors)
+    assert_whole_epochs(reports, epochs, batches)
+    assert "every place was held" in caplog.text and "one place more, 3 now" in caplog.text
 
 
 class ReusedBuffers:

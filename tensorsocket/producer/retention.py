@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import logging
 import resource
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,11 @@ MAX_BATCHES = 4096
 #: A batch smaller than this is kept as a copy of its place: copying it costs less than the
 #: two sampled fingerprints that keeping the loader's own takes (tiny batches, 4 consumers: the
 #: producer 290 us a batch with the fingerprints, against 186 us with replay=0), and holds no file.
+#: How long a joiner waits for a place, every place held, before the producer adds one: long
+#: enough for holders that are only slow (a training step, a consumer closing or dying) to let
+#: go, short beside a consumer's timeout. Holders that never will are each waiting in a loop
+#: for a batch that comes only after the joiner's (a slots=2 stream, a joiner and a leader).
+GROW_AFTER = 1.0
 COPY_BELOW = 256 << 10  # a joiner never needs more than an epoch; this bounds the bookkeeping
 
 
@@ -154,6 +160,7 @@ class Replay:
     def __init__(self, shared: Shared, io: IoLoop) -> None:
         self.shared, self.io = shared, io
         self.kept = Retention()
+        self.blocked_since: float | None = None  # a joiner waits for a place to be re-staged into
 
     def size(self, plan: layout.Plan, room: Room | None) -> None:
         """Size the replay buffer now that a batch's size is known: at most the budget's bytes,
@@ -229,8 +236,27 @@ class Replay:
                 self.kept.replace(changed.seq, copy_out(shared.store, place, changed.plan.nbytes))
 
     def job(self) -> tuple[int, int] | None:
-        """A kept batch a joiner waits for and the place reserved to write it into (lock held)."""
-        return self.shared.flow.restage() if self.kept else None
+        """A kept batch a joiner waits for and the place reserved to write it into (lock held).
+        After the joiner has waited :data:`GROW_AFTER` seconds with every place held, a new
+        place (see :meth:`Flow.restage`): by then the holders are not merely slow to let go."""
+        if not self.kept:
+            return None
+        flow = self.shared.flow
+        job = flow.restage()
+        if not flow.blocked:
+            self.blocked_since = None
+            return job
+        now = time.monotonic()
+        if self.blocked_since is None:
+            self.blocked_since = now
+        elif now - self.blocked_since >= GROW_AFTER and (job := flow.restage(grow=True)) is not None:
+            log.info(
+                "a joiner waited %.1f s for batch %d to be written again while every place was held (each "
+                "consumer's loop holding the batch it last got): one place more, %d now",
+                now - self.blocked_since, job[0], flow.place_count,
+            )  # fmt: skip
+            self.blocked_since = None
+        return job
 
     def restage(self, seq: int, place: int) -> None:
         """Write kept batch ``seq`` into ``place`` (which :meth:`Flow.restage` reserved) again and
