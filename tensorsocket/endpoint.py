@@ -61,14 +61,20 @@ def resolve(name: str | None = None, endpoint: str | None = None) -> str:
     """Turn ``name`` / ``endpoint`` / ``$TENSORSOCKET_ENDPOINT`` into one zmq endpoint.
 
     Exactly one of name and endpoint may be given; with neither, the environment variable
-    is used, then the name "default". Raises ValueError naming what was wrong.
+    is used (an endpoint, or a name: a value without ``://``), then the name "default".
+    Raises ValueError naming what was wrong (and the variable, when the value came from it).
     """
     if name is not None and endpoint is not None:
         raise ValueError("give either name= or endpoint=, not both")
     if name is None and endpoint is None:
-        endpoint = os.environ.get(ENV) or None
-        if endpoint is None:
+        value = os.environ.get(ENV) or None
+        if value is None:
             name = DEFAULT_NAME
+        else:
+            try:
+                return resolve(endpoint=value) if "://" in value else resolve(name=value)
+            except ValueError as exc:
+                raise ValueError(f"${ENV}={value!r}: {exc}") from None
     if name is not None:
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise ValueError(

@@ -291,6 +291,18 @@ def test_explicit_name_wins_over_the_environment(name, monkeypatch):
     assert resolve() == resolve(name="default")
 
 
+def test_environment_variable_may_hold_a_name(name, monkeypatch):
+    monkeypatch.setenv(ENV, name)  # a name, as `--name` takes: "default: $TENSORSOCKET_ENDPOINT"
+    assert resolve() == resolve(name=name)
+
+
+@pytest.mark.parametrize("value", ["bad/name", "udp://127.0.0.1:1", "tcp://127.0.0.1:x"])
+def test_a_bad_environment_variable_is_named_in_the_error(value, monkeypatch):
+    monkeypatch.setenv(ENV, value)
+    with pytest.raises(ValueError, match=rf"^\${ENV}="):
+        resolve()
+
+
 def test_runtime_directory_is_private():
     path = runtime_dir()
     st = os.stat(path)
