@@ -106,6 +106,25 @@ def test_with_check_writes_an_in_place_write_raises_batch_modified_and_is_logged
     )
 
 
+def test_batch_modified_names_the_first_batch_changed_not_the_last(name):
+    producer = Producer(NestedLoader(8), name=name, slots=4, replay=0)
+    server = serving(producer)
+    try:
+        with Consumer(name=name, label="sloppy-trainer", check_writes=True) as consumer:
+            it = iter(consumer)
+            first, second = next(it), next(it)
+            first[0].sub_(0.5)
+            second[0].sub_(0.5)
+            del first, second  # both released together: both found changed before the next check
+            time.sleep(0.3)
+            with pytest.raises(BatchModified, match=r"^batch 0 of epoch 0 .*\(1 more changed since"):
+                for _ in it:
+                    pass
+    finally:
+        producer.close()
+        server.join(timeout=10)
+
+
 def test_copy_true_gives_private_batches_and_no_error(name):
     producer = Producer(NestedLoader(5), name=name, slots=2, replay=0)
     server = serving(producer)

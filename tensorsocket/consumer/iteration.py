@@ -306,11 +306,13 @@ class Batches:
         _warn_group_forming(self)
 
     def _check_violation(self) -> None:
-        message = None
-        while self.shared.violations:
-            message = self.shared.violations.popleft()
-        if message is not None:
-            raise BatchModified(message)
+        """Raise BatchModified for the first batch found changed (each is logged as found)."""
+        violations, first, more = self.shared.violations, None, 0
+        while violations:
+            message = violations.popleft()
+            first, more = (message, more) if first is None else (first, more + 1)
+        if first is not None:
+            raise BatchModified(first if not more else f"{first} ({more} more changed since: see the log)")
 
 
 def _check_hoarding(batches: Batches) -> None:
