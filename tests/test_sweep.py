@@ -3,6 +3,7 @@ its modes."""
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import os
@@ -350,6 +351,22 @@ def test_a_pipeline_that_raises_exits_2_with_its_error(workdir: Path) -> None:
     assert "OSError: the dataset is not there" in proc.stderr
     trials = json.loads((workdir / "logs" / "summary.json").read_text())["trials"]
     assert [t["status"] for t in trials] == ["not run"]
+
+
+def test_help_gives_every_exit_code_the_readme_does() -> None:
+    from tensorsocket.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    text = sub.choices["sweep"].format_help()
+    for code in (
+        "0 every trial succeeded",
+        "1 a trial failed",
+        "2 usage error",
+        "130",
+        "143 SIGTERM",
+        "129 SIGHUP",
+    ):
+        assert code in text, code
 
 
 def test_parse_result_takes_the_last_valid_line() -> None:

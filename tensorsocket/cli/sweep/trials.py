@@ -49,7 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "example:\n  tensorsocket sweep --pipeline producer/imagefolder.py:make_loader \\\n"
             "      --pipeline-arg root=data/jpeg-1024 --trainer 'python consumer/train.py --shared' \\\n"
             "      --grid lr=0.1,0.01 --grid seed=0,1 --epochs 2\n\n"
-            "exit codes: 0 every trial succeeded, 1 a trial failed, 2 usage error, 130 interrupted"
+            "exit codes: 0 every trial succeeded, 1 a trial failed, 2 usage error, 130 interrupted\n"
+            "(Ctrl-C), 143 SIGTERM, 129 SIGHUP"
         )
     parser.add_argument(
         "--pipeline",
