@@ -140,7 +140,9 @@ class Consumer:
         self.stream = stream
         self.copy = copy
         self.timeout = float(timeout)
-        self.label = label if label is not None else f"pid {os.getpid()}"
+        if label is None:  # a sweep's trial is known by its name (`tensorsocket sweep` sets it)
+            label = os.environ.get("TENSORSOCKET_TRIAL", "")[:128] or f"pid {os.getpid()}"
+        self.label = label
         if not isinstance(self.label, str) or len(self.label) > 128:
             raise ValueError("label must be a string of at most 128 characters")
         settings = Settings(
