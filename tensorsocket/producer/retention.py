@@ -240,6 +240,7 @@ class Replay:
         After the joiner has waited :data:`GROW_AFTER` seconds with every place held, a new
         place (see :meth:`Flow.restage`): by then the holders are not merely slow to let go."""
         if not self.kept:
+            self.blocked_since = None
             return None
         flow = self.shared.flow
         job = flow.restage()
