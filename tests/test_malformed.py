@@ -436,6 +436,24 @@ def test_batch_in_an_unannounced_slot_raises_protocol_error(name):
         fake.close()
 
 
+@pytest.mark.parametrize("compact", [False, True], ids=["inline", "compact"])
+def test_batch_naming_a_place_never_announced_says_which(name, segment, compact):
+    """The error names the place and that it was never announced (it said only "500": the
+    reader's KeyError, for a compact BATCH, the usual form)."""
+    frames = [batch(tensor_layout(), slot=500)]
+    if compact:
+        frames = [
+            protocol.encode(Kind.LAYOUT, number=0, layout=tensor_layout()),
+            protocol.encode_batch(0, 0, 0, 500, 0, None),
+        ]
+    fake = FakeProducer(name, arenas=[["shm", 0, segment, 4096]], frames=frames)
+    try:
+        with pytest.raises(ProtocolError, match="place 500.*never announced"):
+            consume_one(name)
+    finally:
+        fake.close()
+
+
 BAD_LAYOUTS = {
     "not a list": "garbage",
     "short": [1, 2],

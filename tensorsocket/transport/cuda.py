@@ -297,7 +297,10 @@ class CudaReader(Reader):
         return self._infos[place][1]
 
     def lease(self, place: int, nbytes: int) -> Lease:
-        handle, size = self._infos[place]
+        info = self._infos.get(place)
+        if info is None:  # (a KeyError said only the number)
+            raise ProtocolError(f"BATCH names place {place}, whose arena was never announced")
+        handle, size = info
         if not 0 <= nbytes <= size:
             raise ValueError(f"region of {nbytes} bytes does not fit place {place}'s arena ({size})")
         mapping = self._maps.get(place)

@@ -305,7 +305,9 @@ class ShmReader(Reader):
         return self._infos[place].size
 
     def lease(self, place: int, nbytes: int) -> Lease:
-        info = self._infos[place]
+        info = self._infos.get(place)
+        if info is None:  # (a KeyError said only the number)
+            raise ProtocolError(f"BATCH names place {place}, whose arena was never announced")
         if not 0 <= nbytes <= info.size:
             raise ValueError(f"region of {nbytes} bytes does not fit arena {info.name} ({info.size})")
         mm = self._maps.get(place)
