@@ -232,6 +232,8 @@ class IoLoop:
         elif kind is Kind.BYE:
             self.drop(cid, "left")
         elif kind is Kind.MODIFIED:
+            if msg["seq"] not in shared.flow.consumers[cid].held:  # (sent before that batch's RELEASE)
+                raise ProtocolError(f"MODIFIED names batch {msg['seq']}, which this consumer does not hold")
             log.error(
                 "%s reports batch %d (epoch %d, index %d) changed in shared memory while it held it; "
                 "held by %s, any of which may have written it: an in-place op on a shared batch "
