@@ -238,12 +238,8 @@ class IoLoop:
                 "%s reports batch %d (epoch %d, index %d) changed in shared memory while it held it; "
                 "held by %s, any of which may have written it: an in-place op on a shared batch "
                 "corrupts every consumer's data; use copy=True or out-of-place ops",
-                peer.describe(),
-                msg["seq"],
-                msg["epoch"],
-                msg["index"],
-                holders_of(self.shared, cid, msg["seq"]),
-            )
+                peer.describe(), msg["seq"], msg["epoch"], msg["index"], holders_of(self.shared, cid, msg["seq"]),
+            )  # fmt: skip
         else:
             raise ProtocolError(f"a consumer may not send {kind.value} messages")
 
