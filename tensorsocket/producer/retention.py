@@ -45,14 +45,14 @@ log = logging.getLogger("tensorsocket")
 
 MIB = 1 << 20
 MAX_BATCHES = 4096
-#: A batch smaller than this is kept as a copy of its place: copying it costs less than the
-#: two sampled fingerprints that keeping the loader's own takes (tiny batches, 4 consumers: the
-#: producer 290 us a batch with the fingerprints, against 186 us with replay=0), and holds no file.
 #: How long a joiner waits for a place, every place held, before the producer adds one: long
 #: enough for holders that are only slow (a training step, a consumer closing or dying) to let
 #: go, short beside a consumer's timeout. Holders that never will are each waiting in a loop
 #: for a batch that comes only after the joiner's (a slots=2 stream, a joiner and a leader).
 GROW_AFTER = 1.0
+#: A batch smaller than this is kept as a copy of its place: copying it costs less than the
+#: two sampled fingerprints that keeping the loader's own takes (tiny batches, 4 consumers: the
+#: producer 290 us a batch with the fingerprints, against 186 us with replay=0), and holds no file.
 COPY_BELOW = 256 << 10  # a joiner never needs more than an epoch; this bounds the bookkeeping
 
 
