@@ -25,6 +25,7 @@ from typing import Any
 
 from .. import endpoint as endpoints
 from .. import pipeline
+from ..host import process_state
 from ..producer import Producer, state_file
 from ..transport import shm
 from .naming import current_node_id, node_name
@@ -210,11 +211,8 @@ def children(pid: int) -> list[int]:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"  # a zombie has exited; its parent only has not reaped it yet
+    """A zombie has exited (its parent only has not reaped it yet); no /proc entry, gone."""
+    return process_state(pid) not in (None, "Z")
 
 
 def wait_gone(pids: Iterable[int], timeout: float) -> list[int]:
