@@ -26,12 +26,20 @@ EPOCHS, SAMPLES, ROWS = 3, 96, 4
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _consume(name: str, options: dict[str, Any], out: Any) -> None:
-    """A trainer: every epoch's (id, noise) samples, in order, and what it was told."""
+def _consume(name: str, options: dict[str, Any], out: Any, first: Any = None) -> None:
+    """A trainer: every epoch's (id, noise) samples, in order, and what it was told. With
+    ``first`` (two events), holding its first batch it sets the first and waits for the
+    second: it was sent no more than its prefetch when the producer died."""
     seen: list[list[Any]] = []
     with Consumer(name=name, timeout=5.0, reconnect=60.0, **options) as consumer:
         while not consumer.finished:
-            epoch = [(int(i), n.tolist()) for ids, noise in consumer for i, n in zip(ids, noise, strict=True)]
+            epoch = []
+            for ids, noise in consumer:
+                epoch += [(int(i), n.tolist()) for i, n in zip(ids, noise, strict=True)]
+                if first is not None:
+                    first[0].set()
+                    assert first[1].wait(60)
+                    first = None
             if epoch or not consumer.finished:
                 seen.append(epoch)
         out.put({"options": options, "seen": seen, "repeated": consumer.repeated, "missed": consumer.missed})
@@ -185,6 +193,49 @@ def test_a_consumer_waits_for_a_successor_only_as_long_as_it_was_told(name):
     assert taken == 6
 
 
+def _publish_then_die(name: str, batches: int, die: Any) -> None:
+    """A resumable producer that publishes ``batches`` batches, then, its publishing thread
+    in the loop body (away from the producer), waits for ``die`` and SIGKILLs itself."""
+    producer = Producer(restart_pipeline.seeded(delay=0.03), name=name, resume=True, slots=8)
+    for n, _ in enumerate(producer, 1):
+        if n == batches:
+            die.wait(60)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_joiner_replaying_when_the_producer_dies_gets_every_batch_from_the_successor(name, tmp_path):
+    """A replaying joiner moves the restart point back: the state file must say so before
+    its first batch goes out. Here the publishing thread is away (in the loop body) from
+    before the join until the kill, so only the join itself can have written it. Before,
+    the successor resumed where the leader was and the joiner missed the batches between."""
+    expected = restart_pipeline.uninterrupted(restart_pipeline.seeded(), EPOCHS)
+    die, dead, out = SPAWN.Event(), SPAWN.Event(), SPAWN.Queue()
+    first = SPAWN.Process(target=_publish_then_die, args=(name, 6, die))
+    first.start()
+    leader = SPAWN.Process(target=_consume, args=(name, {"late_join": "now"}, out))
+    leader.start()
+    state = restart.state_path(f"ipc://{restart_pipeline_socket(name)}")
+    wait_until(
+        lambda: state.exists() and restart.read(state).point.index >= 3, 30, "the leader to be 3 batches in"
+    )
+    joiner = SPAWN.Process(
+        target=_consume, args=(name, {"late_join": "replay", "prefetch": 2}, out, (die, dead))
+    )
+    joiner.start()
+    first.join(timeout=90)
+    assert first.exitcode == -signal.SIGKILL
+    dead.set()
+    log = tmp_path / "producer.log"
+    second = _serve(name, "seeded", log)
+    assert second.wait(timeout=120) == 0, log.read_text()[-3000:]
+    results = [out.get(timeout=60) for _ in range(2)]
+    for p in (leader, joiner):
+        p.join(timeout=30)
+    for result in results:
+        assert result["missed"] is None, result
+        assert result["seen"] == expected, (result["options"], _first_difference(result["seen"], expected))
+
+
 def test_a_successor_on_another_stream_is_not_mistaken_for_ours(name):
     """A producer started without resume=True (or whose state file was removed) publishes
     other batches under the same numbers: a rejoining consumer must not go on there."""
@@ -242,6 +293,22 @@ def test_a_stateful_successor_that_dies_at_once_can_itself_be_resumed(name):
     assert restart.read(path).point.index >= before.index
     with Producer(restart_pipeline.stateful(), name=name, resume=True) as third:  # no ValueError
         assert third.epoch == 0
+
+
+def test_a_point_taken_before_a_join_does_not_undo_the_joiners_write(tmp_path):
+    """The publishing thread takes a point under the producer's lock and writes it after;
+    between, the I/O thread may write a joiner's older one, which must stay."""
+    loader = restart_pipeline.seeded()
+    tracker = restart.Tracker(tmp_path / "x.state", loader, restart.describe(loader, 24, 96), "stream")
+    tracker.epoch_started(0, 0)
+    for seq in range(6):
+        tracker.published(seq, 0, 0, seq, fingerprint=seq)
+    taken_before = (5, 0, 1, 0)  # (restart point, keep from, consumers, joins)
+    tracker.save(2, 0, 2, 1, force=True)  # the I/O thread: a joiner replays from batch 2
+    tracker.save(*taken_before, force=True)
+    assert restart.read(tracker.path).point.index == 2
+    tracker.save(4, 0, 2, 1, force=True)  # a point taken after the join is written
+    assert restart.read(tracker.path).point.index == 4
 
 
 @pytest.mark.parametrize(

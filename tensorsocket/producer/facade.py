@@ -122,6 +122,7 @@ class Producer:
             None if resumed is None else resumed.restarted,
         )
         self._shared = Shared(config, flow, store)
+        self._shared.tracker = tracker
         self._io = IoLoop(self._shared, self.endpoint, owner=self)
         try:
             bound = self._io.start()

@@ -228,7 +228,7 @@ class IoLoop:
                 reason = "unknown consumer: it was evicted or never joined"
                 shared.post(cid, protocol.encode(Kind.EVICTED, reason=reason))
         elif kind is Kind.READY:
-            shared.send_all(shared.flow.ready(cid, *position(self.shared.config.stream, msg["resume"])))
+            shared.send_joined(shared.flow.ready(cid, *position(self.shared.config.stream, msg["resume"])))
         elif kind is Kind.BYE:
             self.drop(cid, "left")
         elif kind is Kind.MODIFIED:
@@ -290,7 +290,7 @@ class IoLoop:
             session=self.sessions.offer(cid),
         )
         shared.post(cid, welcome)
-        shared.send_all(actions)
+        shared.send_joined(actions)
         state = shared.flow.consumers[cid]
         if state.forming:
             assert state.group is not None

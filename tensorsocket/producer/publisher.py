@@ -137,7 +137,7 @@ class Publisher:
             shared.send_all(shared.flow.publish(place, frame, keep))
             self.replay.kept.prune(shared.flow.kept_from())
             self.index += 1
-            where = self._restart_where() if self.tracker is not None else None
+            where = shared.restart_where() if self.tracker is not None else None
             stats = shared.stats
             stats["published"] += 1
             stats["loader_wait"] += t1 - t0
@@ -184,11 +184,6 @@ class Publisher:
             if self.closing:  # close() from another thread closed the store under us
                 raise Closed(f"producer on {self.shared.config.endpoint} was closed") from None
             raise
-
-    def _restart_where(self) -> tuple[int, int, int]:
-        """(restart point, keep-from seq, consumers served) for the state file (lock held)."""
-        flow = self.shared.flow
-        return flow.restart_point(), flow.keep_from(), flow.serving()
 
     def _check_content(self, plan: layout.Plan) -> int | None:
         """With resume=True, the batch's content fingerprint (recorded, so a successor can
@@ -238,7 +233,7 @@ class Publisher:
         if self.tracker is not None:  # its point, written now: the stream id lasts from here on
             self.tracker.epoch_started(epoch, self.first_seq)
             with self.shared.changed:
-                where = self._restart_where()
+                where = self.shared.restart_where()
             self.tracker.save(*where, force=True)
         self.loader_iter = self.pool.open(epoch)
         self.index = 0
@@ -256,7 +251,7 @@ class Publisher:
             seq, epoch = shared.flow.next_seq, shared.flow.epoch
             frame = protocol.encode(Kind.EPOCH_END, seq=seq, epoch=epoch)
             shared.send_all(shared.flow.end_epoch(frame))
-            where = self._restart_where() if self.tracker is not None else None
+            where = shared.restart_where() if self.tracker is not None else None
         shared.wakeup.wake()
         if self.tracker is not None and where is not None:
             self.tracker.epoch_ended(seq, epoch, self.first_seq, self.index)
@@ -295,7 +290,7 @@ class Publisher:
 
     def _check_waiting(self, what: str, deadline: float | None) -> None:
         """A wait's checks, each tick (lock held): the producer stopped, its I/O thread died,
-        the deadline passed; and a resumable producer's state file kept current."""
+        the deadline passed."""
         shared = self.shared
         if shared.stop.is_set():
             raise Closed(f"producer on {shared.config.endpoint} stopped while waiting for {what}")
@@ -306,8 +301,6 @@ class Publisher:
             )
         if deadline is not None and time.monotonic() >= deadline:
             raise TimeoutError(f"gave up waiting for {what}")
-        if self.tracker is not None and self.tracker.behind(shared.flow.restart_point()):
-            self.tracker.save(*self._restart_where(), force=True)
 
     def all_left(self) -> bool:
         """After END: every consumer said BYE (it has mapped every arena it was sent, so the

@@ -27,7 +27,8 @@ How the successor reproduces the stream from there (a :class:`Point`):
 
 The file is written with ``torch.save`` (states hold tensors) to a temporary name and renamed
 over the old one, at most every :data:`WRITE_EVERY` seconds (a point that lags only means a
-few more batches are published again), and read with ``weights_only=True``: tensors and plain
+few more batches are published again) and at once when a joiner that replays moves the point
+back (before it is sent a batch: a point ahead of it would lose what it has not got), and read with ``weights_only=True``: tensors and plain
 containers only, nothing a file could use to run code.
 """
 
@@ -148,6 +149,7 @@ class Tracker:
     iter_rng: dict[int, dict[str, Any]] = field(default_factory=dict)  # after its iter() (stateful)
     last_write: float = 0.0
     written: int | None = None  # the restart point last written
+    joins: int = 0  # the Shared.joins of the last write: a point taken before a join is stale
     seconds_writing: float = 0.0  # for the benchmark: the file's cost
     done: bool = False  # the stream ended: the file is gone and stays gone
     # close() from another thread may end the epoch and the stream while the caller's thread
@@ -215,11 +217,15 @@ class Tracker:
         self.iter_rng.pop(epoch - 1, None)
 
     @_locked
-    def save(self, restart_point: int, keep_from: int, consumers: int, force: bool = False) -> None:
+    def save(
+        self, restart_point: int, keep_from: int, consumers: int, joins: int, force: bool = False
+    ) -> None:
         """Write the state for ``restart_point`` (at most every WRITE_EVERY seconds unless
-        ``force``) and forget what no restart can need any more."""
+        ``force``) and forget what no restart can need any more. The caller's thread takes a
+        point under the producer's lock and writes it after: one taken before the I/O thread
+        wrote a joiner's (``joins`` is older) would undo that, so it is not written."""
         now = time.monotonic()
-        if not force and now - self.last_write < WRITE_EVERY:
+        if (not force and now - self.last_write < WRITE_EVERY) or joins < self.joins:
             return
         point = self.points.get(restart_point)
         if point is None:  # nothing published since the last point was written
@@ -233,11 +239,11 @@ class Tracker:
             return
         write(self.path, encode(State(self.stream, self.description, point, prints, consumers)))
         self.seconds_writing += time.perf_counter() - t0
-        self.last_write, self.written = now, restart_point
+        self.last_write, self.written, self.joins = now, restart_point, joins
 
     def behind(self, restart_point: int) -> bool:
         """Has the restart point moved back past the one written (a consumer joined and
-        replays)? Then the file must say so now, not at the next publish."""
+        replays)? Then the file must say so before the joiner is sent anything."""
         return self.written is not None and restart_point < self.written
 
     @_locked

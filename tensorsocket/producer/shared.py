@@ -16,6 +16,9 @@ is read and written under ``changed`` (a Condition over one lock), except where 
 * ``stats``: the caller's thread adds its timings; the I/O thread counts bad messages.
 * ``layouts``: the caller's thread numbers layouts; the I/O thread reads them for WELCOME.
 * ``first_join``, ``departed``: the I/O thread; ``replay_batches``: the caller's thread.
+* ``tracker``: a resumable producer's state file (:class:`.restart.Tracker`, its own lock,
+  taken after this one): the caller's thread writes it as it publishes, the I/O thread when a
+  join moves the restart point back (:meth:`Shared.send_joined`); ``joins`` counts those.
 * ``stop``: an Event, set by close() from any thread; ``wakeup``: any thread pokes it.
 * ``publisher_at``, ``publisher_polling``: the caller's thread's turn at the consumers'
   sessions (:mod:`.session_turns`): while it lasts, the I/O thread reads them only for what
@@ -43,6 +46,7 @@ from ..protocol import Kind
 from ..status import ConsumerStatus, GroupStatus, ProducerStatus, Report, rates
 from ..transport import Store
 from ..wakeup import Wakeup
+from .restart import Tracker
 
 TICK = 0.05  # seconds between liveness checks, and the longest any wait goes unchecked
 TICK_MS = int(TICK * 1000)
@@ -110,6 +114,8 @@ class Shared:
         # (some only once they were sent their share of the epoch); the last few
         self.departed: collections.OrderedDict[Hashable, str] = collections.OrderedDict()
         self.replay_batches = 0  # sized at the first batch, from its bytes
+        self.tracker: Tracker | None = None
+        self.joins = 0  # joins that moved the restart point back (orders the state file's writes)
         # loader_wait: in next(loader); slot_wait: for the slowest consumer to free a place;
         # publish_time: writing and announcing (slot_wait included)
         self.stats: dict[str, Any] = {
@@ -173,6 +179,20 @@ class Shared:
             else:
                 assert isinstance(action, GroupBroken)
                 self.post(action.consumer, self._group_broken(action), now)
+
+    def send_joined(self, actions: list[Action]) -> None:
+        """Send what a join (or a group's start) decided (lock held). A joiner that replays
+        moves the restart point back: the state file says so before any of its batches goes
+        out, or a successor started after a crash would resume past batches it never got."""
+        if self.tracker is not None and self.tracker.behind(self.flow.restart_point()):
+            self.joins += 1
+            self.tracker.save(*self.restart_where(), force=True)
+        self.send_all(actions)
+
+    def restart_where(self) -> tuple[int, int, int, int]:
+        """(restart point, keep-from seq, consumers served, joins) for the state file (lock held)."""
+        flow = self.flow
+        return flow.restart_point(), flow.keep_from(), flow.serving(), self.joins
 
     def _group_broken(self, action: GroupBroken) -> bytes:
         who = self.departed.get(action.lost, "left")
