@@ -120,9 +120,7 @@ class Flow(Replaying):
         self._epoch_index = 0  # batches published in the current epoch
         self._epoch_batches: dict[int, int] = {}  # epoch -> its batches, once it ended (groups)
         self._forming = Forming()
-        # True while no batch of the current epoch has been overwritten, i.e. while a
-        # joiner can still be sent the whole epoch from its first batch.
-        self._replay_open = True
+        self._replay_open = True  # no batch of this epoch overwritten: a joiner can get all of it
         self.ended = False
 
     # ------------------------------------------------------------------ queries
@@ -149,6 +147,10 @@ class Flow(Replaying):
     def serving(self) -> int:
         """Consumers the stream is for: not waiting for the rest of their group, not cut off."""
         return len([c for c in self.consumers.values() if not (c.broken or c.forming)])  # (no generator)
+
+    def places_to_start(self, member: Membership) -> int:
+        """Places the start of ``member``'s group would add (see :class:`Forming`)."""
+        return self._forming.places_to_start(member, self.groups())
 
     def groups(self) -> list[Group]:
         """Every group with a member here (forming, started or broken), oldest first."""
@@ -379,8 +381,8 @@ class Flow(Replaying):
         return min(needed)
 
     def keep_from(self) -> int:
-        """The oldest entry a consumer may still be sent, now or after joining (a replay):
-        the restart point may move back to here, never further."""
+        """The oldest entry a consumer may still be sent, now or after joining: the restart
+        point may move back to here, never further."""
         return min(self.restart_point(), self._oldest_replayable())
 
     def add_places(self, n: int) -> None:
@@ -393,11 +395,8 @@ class Flow(Replaying):
 
     def reserve(self) -> int | None:
         """Pick a place to write the next batch into, or None while the window is full or
-        every place is still needed.
-
-        Prefers a never-used place, then the one holding the oldest batch nobody holds or is
-        still owed (so the batches that stay in places are the most recent ones).
-        """
+        every place is still needed: a never-used place, else the one holding the oldest
+        batch nobody holds or is still owed (the batches that stay are the most recent)."""
         if self.ended:
             raise RuntimeError("the stream has ended; nothing more can be published")
         if not self._window_open():
@@ -459,9 +458,8 @@ class Flow(Replaying):
     # ------------------------------------------------------------------ internals
 
     def _clamp_cursors(self, seq: int) -> None:
-        """Cursors of restored consumers that point past the entry about to be appended at
-        ``seq`` (an epoch's end marker or END) point at it: the epoch ended before their
-        position."""
+        """Cursors of restored consumers past the entry about to be appended at ``seq`` (an
+        epoch's end marker or END) point at it: the epoch ended before their position."""
         for state in self.consumers.values():
             if state.cursor is not None and state.cursor > seq:
                 state.cursor = seq

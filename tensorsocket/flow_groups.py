@@ -162,7 +162,14 @@ class Forming:
     def more_places(self, groups: Iterable[Group]) -> int:
         """How many places to add so the running ``groups`` have theirs (see
         :data:`GROUP_PLACES_PER_RANK`); the count is kept: they stay for later groups."""
-        need = GROUP_PLACES_PER_RANK * sum(g.size for g in groups if g.running)
-        more = max(0, need - self.places)
+        more = self._beyond_added(sum(g.size for g in groups if g.running))
         self.places += more
         return more
+
+    def places_to_start(self, member: Membership, groups: Iterable[Group]) -> int:
+        """How many places starting ``member``'s group (it forms, or a member's joining forms
+        it) would add beside the running ``groups``: a check made before it joins."""
+        return self._beyond_added(member.size + sum(g.size for g in groups if g.running))
+
+    def _beyond_added(self, ranks: int) -> int:
+        return max(0, GROUP_PLACES_PER_RANK * ranks - self.places)

@@ -4,9 +4,12 @@ every batch bit for bit without asking the producer."""
 from __future__ import annotations
 
 import contextlib
+import json
 import multiprocessing as mp
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -311,3 +314,30 @@ def permissions(address: int) -> str | None:
             if start <= address < end:
                 return perms
     return None
+
+
+def small_shm_works() -> bool:
+    """Can this process give a child a private 64 MiB /dev/shm (a mount namespace: root)?"""
+    probe = ["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=64m tmpfs /dev/shm"]
+    try:
+        return subprocess.run(probe, capture_output=True, timeout=30).returncode == 0
+    except FileNotFoundError:
+        return False
+
+
+def run_in_64_mib_dev_shm(
+    script: str, args: list[str], tmp_path: Any, env: dict[str, str] | None = None
+) -> tuple[dict[str, Any], str]:
+    """Run ``script`` (Python source) with ``args`` in a mount namespace whose /dev/shm is a
+    64 MiB tmpfs, as Docker gives a container by default; the JSON it printed on its last
+    ``REPORT `` line, and its output."""
+    path = tmp_path / "in_small_shm.py"
+    path.write_text(script)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    inner = 'mount -t tmpfs -o size=64m tmpfs /dev/shm && exec "$@"'
+    command = ["unshare", "-m", "sh", "-c", inner, "sh", sys.executable, str(path), *args]
+    env = os.environ | {"PYTHONPATH": root} | (env or {})
+    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("REPORT ")]
+    assert lines, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return json.loads(lines[-1][len("REPORT ") :]), done.stdout

@@ -450,3 +450,19 @@ TestGroupMachine = GroupMachine.TestCase
 TestGroupMachine.settings = settings(
     max_examples=300, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck)
 )
+
+
+def test_places_to_start_counts_what_a_groups_start_would_add_beside_the_running_ones():
+    """What the producer checks against the memory before a member joins (see
+    tensorsocket.producer.room): the places the start adds, GROUP_PLACES_PER_RANK a rank."""
+    flow = Flow(window=4, places=4)
+    job, other = Membership("job", 0, 2), Membership("other", 0, 3)
+    assert flow.places_to_start(job) == 6
+    flow.join("a", 2, member=job)
+    assert flow.places_to_start(Membership("job", 1, 2)) == 6  # forming: nothing added yet
+    flow.join("b", 2, member=Membership("job", 1, 2))
+    assert flow.place_count == 4 + 6
+    assert flow.places_to_start(other) == 9  # the running group keeps its 6
+    flow.leave("a")
+    flow.leave("b")  # a group that ended leaves its places to later ones
+    assert flow.places_to_start(other) == 3 and flow.place_count == 10

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import errno
 import gc
-import json
 import os
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from tensorsocket import layout, layout_table
 from tensorsocket.errors import ProtocolError
 from tensorsocket.transport import shm
 from tensorsocket.transport.shm import PREFIX, SHM_DIR, ArenaInfo, ShmReader, ShmStore, sweep_stale
+from tests.support import run_in_64_mib_dev_shm, small_shm_works
 
 
 def test_a_too_large_arena_fails_cleanly_and_leaves_nothing():
@@ -156,14 +156,6 @@ if __name__ == "__main__":
 """
 
 
-def _small_shm_works() -> bool:
-    probe = ["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=64m tmpfs /dev/shm"]
-    try:
-        return subprocess.run(probe, capture_output=True, timeout=30).returncode == 0
-    except FileNotFoundError:
-        return False
-
-
 def _in_a_64_mib_dev_shm(
     tmp_path: Any,
     name: str,
@@ -173,39 +165,16 @@ def _in_a_64_mib_dev_shm(
     batches: tuple[int, int, bool] = (6, 16, False),
 ) -> tuple[dict[str, Any], str]:
     """Run FIT (a producer and a consumer of ``batches``: how many, MiB each, made in shared
-    memory or not) in a mount namespace whose /dev/shm is a 64 MiB tmpfs, as Docker gives a
-    container by default. ``device="cuda:0"`` runs it on the CPU stand-in for a GPU, whose
-    device memory is that /dev/shm."""
-    script = tmp_path / "fit.py"
-    script.write_text(FIT)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    inner = 'mount -t tmpfs -o size=64m tmpfs /dev/shm && exec "$@"'
-    command = [
-        "unshare",
-        "-m",
-        "sh",
-        "-c",
-        inner,
-        "sh",
-        sys.executable,
-        str(script),
-        name,
-        str(slots),
-        str(replay),
-        device,
-        str(batches[0]),
-        str(batches[1]),
-        "shared" if batches[2] else "private",
-    ]
-    env = os.environ | {"PYTHONPATH": root} | ({"TENSORSOCKET_FAKE_CUDA": "1"} if device != "cpu" else {})
-    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=120)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("REPORT ")]
-    assert lines, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    return json.loads(lines[-1][len("REPORT ") :]), done.stdout
+    memory or not) in a 64 MiB /dev/shm. ``device="cuda:0"`` runs it on the CPU stand-in for
+    a GPU, whose device memory is that /dev/shm."""
+    args = [name, str(slots), str(replay), device, str(batches[0]), str(batches[1])]
+    args.append("shared" if batches[2] else "private")
+    env = {"TENSORSOCKET_FAKE_CUDA": "1"} if device != "cpu" else {}
+    return run_in_64_mib_dev_shm(FIT, args, tmp_path, env)
 
 
 needs_mount = pytest.mark.skipif(
-    not _small_shm_works(), reason="mounting a private tmpfs needs root (CI runs as root)"
+    not small_shm_works(), reason="mounting a private tmpfs needs root (CI runs as root)"
 )
 
 

@@ -23,6 +23,7 @@ from ..errors import ProtocolError
 from ..flow import LateJoin, Membership, Tail
 from ..host import boot_id, pid_alive, pid_namespace, same_host
 from ..protocol import Kind
+from .room import check_group_fits
 from .session_turns import HANDOVER, publisher_turn
 from .sessions import Sessions, send_zmq
 from .shared import TICK, TICK_MS, Peer, Shared
@@ -261,6 +262,7 @@ class IoLoop:
             # A group member starts with its group once every rank is READY (began iterating:
             # after any load_state_dict, whatever order the trainers start in).
             at, rejoined = position(self.shared.config.stream, msg["resume"])
+            check_group_fits(shared, member)
             actions = shared.flow.join(
                 cid, msg["prefetch"], LateJoin(msg["late_join"]), member, at, member is None, rejoined
             )

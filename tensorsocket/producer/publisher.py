@@ -7,7 +7,6 @@ is alive, so no wait here outlives the producer.
 
 from __future__ import annotations
 
-import errno
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -16,10 +15,10 @@ from typing import Any
 from .. import layout, layout_table, pooled_collate, protocol
 from ..errors import Closed, IoThreadDied
 from ..protocol import Kind
-from ..transport.base import Room
 from .io_loop import IoLoop
 from .restart import Resumed, Tracker, content_fingerprint
-from .retention import MIB, Kept, Replay
+from .retention import Kept, Replay
+from .room import check_window_fits
 from .session_turns import SessionTurns
 from .shared import TICK, Shared
 
@@ -306,20 +305,3 @@ class Publisher:
         """After END: every consumer said BYE (it has mapped every arena it was sent, so the
         arenas may be freed), left, or died."""
         return self.shared.flow.ended and not self.shared.peers
-
-
-def check_window_fits(shared: Shared, nbytes: int) -> Room | None:
-    """At the first batch, when its size is known: refuse now, with the numbers and the
-    remedies, if the window's places do not fit the store's memory (rather than fail some
-    batches later); how much room there is, or None where the store knows no limit."""
-    room = shared.store.room(nbytes)
-    window = shared.flow.place_count
-    if room is not None and room.fits < window:
-        slots, size = shared.config.slots, room.arena_bytes
-        raise OSError(
-            errno.ENOSPC,
-            f"batches of {nbytes} bytes need {window} x {size / MIB:.1f} MiB = {window * size / MIB:.0f} MiB "
-            f"for slots={slots}, but {room.where} has {room.free_bytes / MIB:.0f} MiB free: lower slots= "
-            f"(at most {room.fits * slots // window} fit), make batches smaller, or {room.remedy}",
-        )
-    return room

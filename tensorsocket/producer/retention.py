@@ -39,6 +39,7 @@ from ..transport.base import Room, Store
 from ..transport.shm import room as shm_room
 from .io_loop import IoLoop
 from .restart import plan_fingerprint
+from .room import room_to_grow
 from .shared import Shared
 
 log = logging.getLogger("tensorsocket")
@@ -250,6 +251,10 @@ class Replay:
         now = time.monotonic()
         if self.blocked_since is None:
             self.blocked_since = now
+        elif now - self.blocked_since >= GROW_AFTER and (short := room_to_grow(self.shared)) is not None:
+            self._evict_waiting(
+                f"this joiner waited for a batch of its replay to be written again while every place was held, and {short}"
+            )
         elif now - self.blocked_since >= GROW_AFTER and (job := flow.restage(grow=True)) is not None:
             log.info(
                 "a joiner waited %.1f s for batch %d to be written again while every place was held (each "
@@ -310,3 +315,13 @@ class Replay:
         log.error("%s (%d consumer(s) evicted)", reason, len(waiting))
         if wake:
             shared.wakeup.wake()
+
+    def _evict_waiting(self, reason: str) -> None:
+        """Evict the joiners waiting for a batch to be written again, saying why (lock held)."""
+        waiting = [cid for cid, state in self.shared.flow.consumers.items() if state.wants is not None]
+        for cid in waiting:
+            self.io.drop(cid, "evicted: no room to replay to it", reason)
+        log.error("%s: %d joiner(s) evicted", reason, len(waiting))
+        self.blocked_since = None
+        if self.shared.io_wanted:
+            self.shared.wakeup.wake()

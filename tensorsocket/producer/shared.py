@@ -15,7 +15,8 @@ is read and written under ``changed`` (a Condition over one lock), except where 
   its descriptors and admits consumers under it; close() closes it under it.
 * ``stats``: the caller's thread adds its timings; the I/O thread counts bad messages.
 * ``layouts``: the caller's thread numbers layouts; the I/O thread reads them for WELCOME.
-* ``first_join``, ``departed``: the I/O thread; ``replay_batches``: the caller's thread.
+* ``first_join``, ``departed``: the I/O thread; ``replay_batches``, ``batch_bytes``: the
+  caller's thread.
 * ``tracker``: a resumable producer's state file (:class:`.restart.Tracker`, its own lock,
   taken after this one): the caller's thread writes it as it publishes, the I/O thread when a
   join moves the restart point back (:meth:`Shared.send_joined`); ``joins`` counts those.
@@ -114,6 +115,7 @@ class Shared:
         # (some only once they were sent their share of the epoch); the last few
         self.departed: collections.OrderedDict[Hashable, str] = collections.OrderedDict()
         self.replay_batches = 0  # sized at the first batch, from its bytes
+        self.batch_bytes: int | None = None  # the first batch's (the places' size: see .room)
         self.tracker: Tracker | None = None
         self.joins = 0  # joins that moved the restart point back (orders the state file's writes)
         # loader_wait: in next(loader); slot_wait: for the slowest consumer to free a place;

@@ -1,0 +1,89 @@
+"""Whether the producer's places fit the memory its store allocates them from (``/dev/shm``,
+a GPU's memory), checked whenever places are to be added, so that running short is an error
+naming the numbers and the remedies, never an ``ENOSPC`` that ends the stream for everyone.
+
+Places get their memory when first written, so a check counts every place the flow has,
+with its memory or not yet. Three moments add places:
+
+* the first batch (its size is known from then on): the window's places; the producer
+  refuses to start (:func:`check_window_fits`);
+* a group member's join, for the places its group takes once it starts
+  (:data:`~tensorsocket.flow_groups.GROUP_PLACES_PER_RANK` a rank): that member is refused,
+  the stream goes on (:func:`check_group_fits`);
+* a joiner that waits for a place every consumer holds (see :meth:`Flow.restage`): without
+  room for one more, it is evicted, the stream goes on (:func:`room_to_grow`).
+"""
+
+from __future__ import annotations
+
+import errno
+
+from ..flow_groups import GROUP_PLACES_PER_RANK, Membership
+from ..transport.base import Room
+from .shared import Shared
+
+MIB = 1 << 20
+
+
+def check_window_fits(shared: Shared, nbytes: int) -> Room | None:
+    """At the first batch, when its size is known: refuse now, with the numbers and the
+    remedies, if the window's places do not fit the store's memory (rather than fail some
+    batches later); how much room there is, or None where the store knows no limit."""
+    shared.batch_bytes = nbytes
+    room = shared.store.room(nbytes)
+    window = shared.flow.place_count
+    if room is not None and room.fits < window:
+        slots, size = shared.config.slots, room.arena_bytes
+        groups = [g.name for g in shared.flow.groups() if g.started]
+        why = f"slots={slots}" + (
+            f" and the places of group(s) {', '.join(map(repr, groups))}" if groups else ""
+        )
+        raise OSError(
+            errno.ENOSPC,
+            f"batches of {nbytes} bytes need {window} x {size / MIB:.1f} MiB = {window * size / MIB:.0f} MiB "
+            f"for {why}, but {room.where} has {room.free_bytes / MIB:.0f} MiB free: lower slots= "
+            f"(at most {room.fits * slots // window} fit), make batches smaller, or {room.remedy}",
+        )
+    return room
+
+
+def places_that_fit(shared: Shared) -> tuple[int, Room] | None:
+    """How many more places the store's memory holds now, each the size of the first batch's,
+    and the room it has (lock held); None before the first batch, or where the store knows
+    no limit."""
+    if shared.batch_bytes is None:
+        return None
+    room = shared.store.room(shared.batch_bytes)
+    if room is None:
+        return None
+    return (shared.store.bytes + room.free_bytes) // room.arena_bytes - shared.flow.place_count, room
+
+
+def check_group_fits(shared: Shared, member: Membership | None) -> None:
+    """ValueError naming the numbers, before a group member joins, if its group's start would
+    add more places than the memory holds (lock held). Refusing it then costs nobody else
+    anything; an ``ENOSPC`` at the group's start would end the stream for every consumer."""
+    fit = None if member is None else places_that_fit(shared)
+    if member is None or fit is None:
+        return
+    more, (fits, room) = shared.flow.places_to_start(member), fit
+    if more > fits:
+        size = room.arena_bytes / MIB
+        raise ValueError(
+            f"group {member.group!r}: its {member.size} ranks need {more} more places of {size:.1f} MiB "
+            f"({GROUP_PLACES_PER_RANK} a rank): {more * size:.0f} MiB, but {room.where} has "
+            f"{room.free_bytes / MIB:.0f} MiB free (room for {max(fits, 0)}): make batches smaller, run "
+            f"fewer ranks, or {room.remedy}"
+        )
+
+
+def room_to_grow(shared: Shared) -> str | None:
+    """Why one more place does not fit (lock held); None if it does, or the store knows no limit."""
+    fit = places_that_fit(shared)
+    if fit is None or fit[0] >= 1:
+        return None
+    room = fit[1]
+    return (
+        f"one more place of {room.arena_bytes / MIB:.1f} MiB does not fit: {room.where} has "
+        f"{room.free_bytes / MIB:.0f} MiB free. Join with late_join='next_epoch', or {room.remedy}"
+    )

@@ -1,0 +1,131 @@
+"""Places added while the stream runs (a group's, one for a blocked joiner) that do not fit
+the shared memory: the consumer that needs them is refused or evicted, saying why with the
+numbers, and the others' stream goes on. Before, the producer hit ENOSPC and ended the
+stream for everyone. Real processes in a 64 MiB /dev/shm (a container's default)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tests.support import run_in_64_mib_dev_shm, small_shm_works
+
+pytestmark = pytest.mark.skipif(
+    not small_shm_works(), reason="mounting a private tmpfs needs root (CI runs as root)"
+)
+
+EPOCHS, BATCHES = 3, 8
+
+# A producer of BATCHES batches of MIB MiB (private memory: kept for replay where they are,
+# none of it in /dev/shm), a leader from the start, and consumers with LATE's options 1.5 s
+# in: what each got, or the error it raised. OPTIONS: the producer's other arguments.
+SCENARIO = """\
+import json, logging, sys, time
+import torch
+from tensorsocket import Consumer, Producer
+from tests.support import SPAWN
+
+
+def consume(name, options, delay, out):
+    time.sleep(delay)
+    try:
+        with Consumer(name=name, timeout=30, **options) as consumer:
+            epochs = []
+            while not consumer.finished:
+                epochs.append([int(x[0]) for x, in consumer])
+            out.put({"options": options, "epochs": [e for e in epochs if e]})
+    except Exception as exc:
+        out.put({"options": options, "error": f"{type(exc).__name__}: {exc}"})
+
+
+class Batches:
+    def __init__(self, count, mib):
+        self.count, self.mib = count, mib
+
+    def __len__(self):
+        return self.count
+
+    def __iter__(self):
+        for i in range(self.count):
+            time.sleep(0.1)
+            yield (torch.full((self.mib << 20,), i, dtype=torch.uint8),)
+
+
+if __name__ == "__main__":
+    name, slots, mib, epochs, batches = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+    late, options = json.loads(sys.argv[6]), json.loads(sys.argv[7])
+    logging.basicConfig(level=logging.INFO, format="LOG %(message)s", stream=sys.stdout)
+    out = SPAWN.Queue()
+    procs = [SPAWN.Process(target=consume, args=(name, {"label": "leader"}, 0.0, out))]
+    procs += [SPAWN.Process(target=consume, args=(name, options, 1.5, out)) for options in late]
+    for p in procs:
+        p.start()
+    report = {}
+    try:
+        Producer(Batches(batches, mib), name=name, slots=slots, **options).serve(epochs=epochs)
+    except OSError as exc:
+        report["producer_error"] = str(exc)
+    report["consumers"] = {r["options"].get("label", "?"): r for r in (out.get(timeout=60) for _ in procs)}
+    for p in procs:
+        p.join(timeout=30)
+    print("REPORT " + json.dumps(report), flush=True)
+"""
+
+
+def _run(
+    tmp_path: Any, name: str, slots: int, mib: int, late: list[dict[str, Any]], **producer: Any
+) -> tuple[dict[str, Any], str]:
+    args = [name, str(slots), str(mib), str(EPOCHS), str(BATCHES), json.dumps(late), json.dumps(producer)]
+    return run_in_64_mib_dev_shm(SCENARIO, args, tmp_path)
+
+
+def _ranks(size: int) -> list[dict[str, Any]]:
+    return [
+        {"label": f"rank{r}", "group": "g", "rank": r, "world_size": size, "late_join": "next_epoch"}
+        for r in range(size)
+    ]
+
+
+def _leader_got_everything(report: dict[str, Any], out: str) -> None:
+    assert "producer_error" not in report, report
+    leader = report["consumers"]["leader"]
+    assert leader.get("epochs") == [list(range(BATCHES))] * EPOCHS, (leader, out[-3000:])
+
+
+def test_a_group_whose_places_do_not_fit_is_refused_and_the_stream_goes_on(tmp_path, name):
+    """slots=2 of 12 MiB take 24 MiB; a group of 2 ranks would add 6 places (72 MiB) to the
+    40 MiB left."""
+    report, out = _run(tmp_path, name, slots=2, mib=12, late=_ranks(2))
+    _leader_got_everything(report, out)
+    for rank in ("rank0", "rank1"):
+        error = report["consumers"][rank]["error"]
+        assert error.startswith("Refused:"), error
+        assert "group 'g': its 2 ranks need 6 more places of 12.0 MiB (3 a rank): 72 MiB" in error, error
+        assert "/dev/shm has 40 MiB free (room for 3)" in error and "--shm-size" in error, error
+
+
+def test_a_group_whose_places_fit_runs(tmp_path, name):
+    """The same with 4 MiB batches: its 6 places (24 MiB) fit, and each rank gets its share."""
+    report, out = _run(tmp_path, name, slots=2, mib=4, late=_ranks(2))
+    _leader_got_everything(report, out)
+    shares = [report["consumers"][rank].get("epochs") for rank in ("rank0", "rank1")]
+    assert all(shares), (report, out[-3000:])
+    assert len(shares[0]) == len(shares[1]) >= 1
+    for epoch in zip(*shares, strict=True):
+        assert sorted(epoch[0] + epoch[1]) == list(range(BATCHES)), shares
+
+
+def test_a_joiner_waiting_for_a_place_that_does_not_fit_is_evicted_and_the_stream_goes_on(tmp_path, name):
+    """slots=2 of 24 MiB take 48 MiB. The leader's loop holds one batch while it waits for
+    the next, which it was sent; the replaying joiner waits for a kept batch to be written
+    again, and one more place (24 MiB) does not fit the 16 MiB left. (The replay budget is
+    given: by default it is a quarter of the free /dev/shm, here less than a batch.)"""
+    joiner = [{"label": "joiner", "late_join": "replay"}]
+    report, out = _run(tmp_path, name, slots=2, mib=24, late=joiner, replay=1 << 30)
+    _leader_got_everything(report, out)
+    error = report["consumers"]["joiner"]["error"]
+    assert error.startswith("Evicted:"), error
+    assert "one more place of 24.0 MiB does not fit: /dev/shm has 16 MiB free" in error, error
+    assert "late_join='next_epoch'" in error and "--shm-size" in error, error
