@@ -11,7 +11,6 @@ before any view is made from it: a hostile layout raises ProtocolError, never se
 from __future__ import annotations
 
 import ctypes
-import functools
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -26,7 +25,6 @@ ALIGN = 256
 MAX_DEPTH = 64
 MAX_LEAVES = 1 << 16
 _MEMMOVE_MAX = 256 << 10  # leaves up to this size are written with one memmove
-_FINGERPRINT_SAMPLES = 1024
 
 # Tree node tags. Nodes are [tag, payload] lists so msgpack carries them as they are.
 TUPLE, LIST, DICT, TENSOR, ARRAY, NPSCALAR, VALUE = "T", "L", "D", "t", "a", "s", "v"
@@ -216,43 +214,6 @@ def leaf_bytes(src: torch.Tensor | np.ndarray) -> torch.Tensor:
     return src.reshape(-1).view(torch.uint8)
 
 
-def fingerprint(region: torch.Tensor | np.ndarray) -> int:
-    """A cheap sampled checksum of a batch's bytes in host memory (at most ~1 KiB read): an
-    integer weighted sum of bytes at an odd stride. A transport with the bytes on a GPU copies
-    the same samples to the host (:func:`sampling`) and finishes with :func:`fingerprint_of`,
-    so producer and consumer agree wherever each one reads, with no false positive.
-
-    Catches in-place ops that touch a whole tensor (normalisation, scaling); by design it
-    can miss a write to a few elements. The stride is odd so samples cover every byte lane;
-    the weights differ per sample so moved bytes count too.
-    """
-    if isinstance(region, torch.Tensor):
-        region = region.numpy()  # host memory only: a device tensor raises here
-    n = region.shape[0]
-    stride, _ = sampling(n)
-    return fingerprint_of(region[::stride], n)
-
-
-def sampling(n: int) -> tuple[int, int]:
-    """(stride, count): the fingerprint of an ``n``-byte region reads bytes 0, stride, ...,
-    (count - 1) x stride."""
-    stride = max(1, n // _FINGERPRINT_SAMPLES) | 1
-    return stride, -(-n // stride)
-
-
-def fingerprint_of(samples: np.ndarray, n: int) -> int:
-    """The fingerprint of an ``n``-byte region from its sampled bytes (:func:`sampling`)."""
-    # NumPy's dot over cached weights: ~5x quicker than torch ops for ~1 KiB
-    total = int(np.dot(samples.astype(np.int64), _weights(samples.shape[0])))
-    return total ^ (n % (1 << 32)) << 32
-
-
-@functools.lru_cache(maxsize=64)
-def _weights(count: int) -> np.ndarray:
-    # Below 2**16 each: a sum over <= 1025 samples of bytes stays far from int64 overflow.
-    return np.arange(count, dtype=np.int64) * 40503 % 65521 + 1
-
-
 def _itemsize(name: Any, numpy_leaf: bool) -> int:
     if numpy_leaf:
         try:
@@ -346,14 +307,18 @@ def build(tree: Any, leaves: list[Leaf], region: torch.Tensor | np.ndarray, copy
     ``copy=True`` returns private copies and keeps no reference to ``region``. NumPy leaves
     are marked read-only; from a GPU region they are host copies (NumPy lives on the host).
     """
-    # Host leaves get storages of their own: torch.save() refuses leaves sharing one as other dtypes
-    host_array = region if isinstance(region, np.ndarray) else None
-    base = torch.from_numpy(region) if host_array is not None else region
-    on_host = base.device.type == "cpu"
+    # Leaves get storages of their own: torch.save() refuses leaves sharing one as other dtypes,
+    # and would write a whole region for one leaf. (A host tensor's .numpy() keeps the tensor.)
+    on_host = isinstance(region, np.ndarray) or region.device.type == "cpu"
+    host_array = region if isinstance(region, np.ndarray) else region.numpy() if on_host else None
+    base = torch.from_numpy(host_array) if host_array is not None else region
 
     def leaf_value(tag: str, leaf: Leaf) -> Any:
         at, end = leaf.offset, leaf.offset + leaf.nbytes
-        raw = base[at:end] if host_array is None else torch.from_numpy(host_array[at:end])
+        if host_array is not None:
+            raw = torch.from_numpy(host_array[at:end])
+        else:
+            raw = torch.as_tensor(_DeviceBytes(region, at, end), device=region.device)
         if tag == TENSOR:
             if leaf.nbytes == 0:  # a zero-size slice has stride 0 and cannot be reinterpreted
                 return torch.empty(leaf.shape, dtype=TORCH_DTYPES[leaf.dtype], device=base.device)
@@ -370,6 +335,25 @@ def build(tree: Any, leaves: list[Leaf], region: torch.Tensor | np.ndarray, copy
         return a[()] if tag == NPSCALAR else a
 
     return _rebuild(tree, lambda tag, i: leaf_value(tag, leaves[i]))
+
+
+class _DeviceBytes:
+    """Bytes ``at:end`` of a GPU ``region`` for torch to import as a tensor of their own (through
+    ``__cuda_array_interface__``: torch keeps this object, and so the region, alive for as long as
+    that storage lives; see :mod:`.transport.cuda_real`). The region's owner dies with the last leaf."""
+
+    __slots__ = ("region", "__cuda_array_interface__")
+
+    def __init__(self, region: torch.Tensor, at: int, end: int) -> None:
+        self.region = region
+        self.__cuda_array_interface__ = {
+            "version": 3,
+            "typestr": "|u1",
+            "shape": (end - at,),
+            "strides": None,
+            "data": (region.data_ptr() + at, False),
+            "stream": None,
+        }
 
 
 def map_tensors(batch: Any, fn: Any) -> Any:

@@ -10,6 +10,7 @@ injected copy delays) say so and skip there.
 from __future__ import annotations
 
 import ctypes
+import io
 import json
 import logging
 import os
@@ -514,3 +515,23 @@ def test_a_late_joiner_in_another_pid_namespace_replays_batches_written_before_t
         first = collect(local, results, 1)[0]
     assert_exact(first, batches)
     assert_exact(late, batches)
+
+
+def test_a_gpu_batch_saves_with_torch_save_leaf_by_leaf(name):
+    """Leaves of several dtypes: torch.save refused a GPU batch whose leaves were slices of
+    one storage as other dtypes, and a leaf saved alone wrote its whole region. Each leaf has
+    a storage of its own, and the batch is released all the same once they are gone."""
+    batches = 3
+    with serving(Producer(NestedLoader(batches), name=name, device="cuda:0", slots=2, replay=0), epochs=1):
+        with Consumer(name=name, device="cuda:0") as consumer:
+            for i, batch in enumerate(consumer):
+                saved = io.BytesIO()
+                torch.save(batch, saved)
+                saved.seek(0)
+                loaded = torch.load(saved, weights_only=False, map_location="cpu")
+                assert same(loaded, expected_batch(i, batches))
+                image = batch[0][0]
+                alone = io.BytesIO()
+                torch.save(image, alone)
+                assert alone.tell() < image.nbytes + 4096
+            assert i == batches - 1

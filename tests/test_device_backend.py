@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from tensorsocket import layout
+from tensorsocket import fingerprints
 from tensorsocket.transport import device
 from tensorsocket.transport.device import DeviceAllocation, DeviceBackend, DeviceMapping
 from tensorsocket.transport.fake_cuda import FakeBackend, fake_uuid, visible_physical
@@ -269,10 +269,10 @@ def test_samples_read_the_fingerprints_bytes_after_the_streams_work(fake, monkey
     a = fake.alloc(max(nbytes, 1), 0)
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes))
     fake.copy(a.tensor, [(0, src)], stream)  # lands 0.2 s later, on the same stream
-    stride, count = layout.sampling(nbytes)
+    stride, count = fingerprints.sampling(nbytes)
     got = fake.samples(a.tensor, stride, count, stream)
     assert got.dtype == np.uint8 and got.shape == (count,)
-    assert layout.fingerprint_of(got, nbytes) == layout.fingerprint(src.numpy())
+    assert fingerprints.of_samples(got, nbytes) == fingerprints.of(src.numpy())
     a.free()
 
 
@@ -564,8 +564,8 @@ def test_real_samples_give_the_host_fingerprint(monkeypatch, nbytes):
     with b.use_stream(stream):
         torch.cuda._sleep(100_000_000)  # the copy lands well after the call returns
         region[:nbytes].copy_(host.pin_memory(), non_blocking=True)
-    stride, count = layout.sampling(nbytes)
-    assert layout.fingerprint_of(b.samples(region, stride, count, stream), nbytes) == layout.fingerprint(host)
+    stride, count = fingerprints.sampling(nbytes)
+    assert fingerprints.of_samples(b.samples(region, stride, count, stream), nbytes) == fingerprints.of(host)
 
 
 @pytest.mark.gpu

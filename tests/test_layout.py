@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tensorsocket import layout
+from tensorsocket import fingerprints, layout
 from tensorsocket.errors import ProtocolError
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -379,6 +379,47 @@ def test_region_lives_until_the_last_derived_tensor_dies() -> None:
         assert not fired
         assert int(a.sum()) == 10
         del a
+        assert fired == [True]
+
+
+def test_a_tensor_region_lives_until_the_last_leaf_dies_and_each_leaf_has_its_own_storage() -> None:
+    """A region given as a host tensor (the CUDA stand-in's form): as for a NumPy region,
+    each leaf's storage is its own (torch.save refuses leaves sharing one as other dtypes),
+    and the region's owner lives until the last leaf dies."""
+    tree, leaves, owner = _layout_and_region()
+    fired: list[bool] = []
+    with _no_gc():
+        weakref.finalize(owner, fired.append, True)
+        out = layout.build(tree, leaves, torch.from_numpy(owner))
+        x = out["x"]
+        assert x.untyped_storage().nbytes() == x.nbytes
+        assert x.data_ptr() == owner.ctypes.data + leaves[0].offset  # a view, not a copy
+        del owner, out
+        assert not fired
+        del x
+        assert fired == [True]
+
+
+@pytest.mark.gpu
+def test_a_gpu_regions_leaves_are_views_with_storages_of_their_own() -> None:
+    """On a GPU region each tensor leaf is imported on its own (``__cuda_array_interface__``):
+    a view at its offset, a storage of its leaf's size, and the region lives until the last
+    leaf dies (the consumer's release signal)."""
+    tree, leaves, host = _layout_and_region()
+    region = torch.from_numpy(host).cuda()
+    fired: list[bool] = []
+    with _no_gc():
+        weakref.finalize(region, fired.append, True)
+        base = region.data_ptr()
+        out = layout.build(tree, leaves, region)
+        x = out["x"]
+        assert x.device == region.device and x.data_ptr() == base + leaves[0].offset
+        assert x.untyped_storage().nbytes() == x.nbytes
+        assert torch.equal(x.cpu(), torch.arange(12, dtype=torch.float32).reshape(3, 4))
+        assert np.array_equal(out["a"], np.arange(5))  # NumPy leaves are host copies
+        del region, out
+        assert not fired
+        del x
         assert fired == [True]
 
 
@@ -776,8 +817,8 @@ def test_check_fuzz_mutated_valid_layout(data: st.DataObject) -> None:
 def test_fingerprint_equal_for_equal_bytes() -> None:
     a = np.random.default_rng(0).integers(0, 256, 100_000, dtype=np.uint8)
     b = a.copy()
-    assert layout.fingerprint(a) == layout.fingerprint(b)
-    assert layout.fingerprint(np.zeros(0, np.uint8)) == layout.fingerprint(np.zeros(0, np.uint8))
+    assert fingerprints.of(a) == fingerprints.of(b)
+    assert fingerprints.of(np.zeros(0, np.uint8)) == fingerprints.of(np.zeros(0, np.uint8))
 
 
 @pytest.mark.parametrize(
@@ -802,23 +843,23 @@ def test_fingerprint_sees_whole_tensor_in_place_ops(op: Any, shape: tuple[int, .
     }
     out, _, arena = _roundtrip(batch)
     region = arena.numpy()
-    before = layout.fingerprint(region)
+    before = fingerprints.of(region)
     op(out["x"])
-    assert layout.fingerprint(region) != before
+    assert fingerprints.of(region) != before
 
 
 @FAST
 @given(st.binary(max_size=5000))
 def test_fingerprint_is_a_deterministic_u64(raw: bytes) -> None:
     region = np.frombuffer(raw, dtype=np.uint8)
-    fp = layout.fingerprint(region)
+    fp = fingerprints.of(region)
     assert type(fp) is int
     assert 0 <= fp < 2**64
-    assert fp == layout.fingerprint(region.copy())
+    assert fp == fingerprints.of(region.copy())
 
 
 def test_fingerprint_depends_on_length() -> None:
-    assert layout.fingerprint(np.zeros(10, np.uint8)) != layout.fingerprint(np.zeros(11, np.uint8))
+    assert fingerprints.of(np.zeros(10, np.uint8)) != fingerprints.of(np.zeros(11, np.uint8))
 
 
 def test_a_plan_leaves_no_reference_cycle_behind() -> None:

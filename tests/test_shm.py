@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from tensorsocket import layout, layout_table
+from tensorsocket import fingerprints, layout, layout_table
 from tensorsocket.errors import ProtocolError
 from tensorsocket.transport import shm
 from tensorsocket.transport.shm import PREFIX, SHM_DIR, ArenaInfo, ShmReader, ShmStore, sweep_stale
@@ -76,7 +76,7 @@ def assert_read_back(pool: ShmStore, info: ArenaInfo, plan: layout.Plan, expecte
     arenas = ShmReader(torch.device("cpu"))
     arenas.announce(info.encode())
     region = arenas.region(0, plan.nbytes)
-    assert layout.fingerprint(region) == fingerprint
+    assert fingerprints.of(region) == fingerprint
     tree, leaves = layout.check(plan.encode(), info.size)
     assert torch.equal(layout.build(tree, leaves, region), expected)
 

@@ -49,7 +49,7 @@ import msgpack
 import numpy as np
 import torch
 
-from .. import layout
+from .. import fingerprints, layout
 from ..pooled_collate import LoaderPool
 from .state_file import Point, State, check_matches, decode, encode, read, remove, state_path, write
 
@@ -105,15 +105,15 @@ def set_rng_state(loader: Any, state: dict[str, Any]) -> None:
 
 def plan_fingerprint(p: layout.Plan) -> int:
     """A sampled fingerprint of every leaf's bytes where the leaf is (host or GPU), read
-    through :func:`layout.sampling` (~1 KiB a leaf): the same batch gives the same number wherever
+    through :func:`fingerprints.sampling` (~1 KiB a leaf): the same batch gives the same number wherever
     it was written, padding between leaves not read."""
     total = 0
     for leaf, src in zip(p.leaves, p.sources, strict=True):
         if leaf.nbytes:
-            stride, _ = layout.sampling(leaf.nbytes)
+            stride, _ = fingerprints.sampling(leaf.nbytes)
             data = layout.leaf_bytes(src)
             samples = data.numpy()[::stride] if data.device.type == "cpu" else data[::stride].cpu().numpy()
-            total = (total * 1_000_003 + layout.fingerprint_of(samples, leaf.nbytes)) % (1 << 64)
+            total = (total * 1_000_003 + fingerprints.of_samples(samples, leaf.nbytes)) % (1 << 64)
     return total
 
 

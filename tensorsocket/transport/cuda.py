@@ -25,7 +25,7 @@ GPU memory cannot be write-protected, so in-place writes are caught by the finge
 producer once its copies are done, the consumer at release, each copies the same ~1 KiB of
 sampled bytes to the host with one strided copy on a stream of its own (no kernel, no device
 allocation: ~14 us on an H100, against ~43 us and 2 MiB of caching-allocator memory for
-torch ops) and applies the host formula (``layout.fingerprint_of``).
+torch ops) and applies the host formula (``fingerprints.of_samples``).
 
 ``TENSORSOCKET_TEST_UNORDERED=announce|release|1`` (tests only) skips the producer's wait, the
 consumer's, or both, to show each is needed.
@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import layout
+from .. import fingerprints, layout
 from ..errors import ProtocolError
 from ..host import boot_id
 from . import device as devices
@@ -91,9 +91,9 @@ class _Write(Receipt):
 
 
 def _fingerprint(dev: Any, region: torch.Tensor, nbytes: int, stream: Any) -> int:
-    """``layout.fingerprint`` of the first ``nbytes`` of a device region, read on ``stream``."""
-    stride, count = layout.sampling(nbytes)
-    return layout.fingerprint_of(dev.samples(region, stride, count, stream), nbytes)
+    """``fingerprints.of`` of the first ``nbytes`` of a device region, read on ``stream``."""
+    stride, count = fingerprints.sampling(nbytes)
+    return fingerprints.of_samples(dev.samples(region, stride, count, stream), nbytes)
 
 
 class CudaStore(Store):

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import layout
+from .. import fingerprints, layout
 from ..errors import ProtocolError
 from ..host import boot_id, pid_alive
 from .base import Lease, Reader, Receipt, Room, Store, check_descriptor, grown_size
@@ -255,10 +255,10 @@ class ShmStore(Store):
             raise RuntimeError("the shared-memory store is closed")
         arena = self._arenas[place]
         layout.write(plan, arena.tensor)
-        return Receipt(layout.fingerprint(arena.array[: plan.nbytes]) if fingerprint else None)
+        return Receipt(fingerprints.of(arena.array[: plan.nbytes]) if fingerprint else None)
 
     def fingerprint(self, place: int, nbytes: int) -> int | None:
-        return layout.fingerprint(self._arenas[place].array[:nbytes])
+        return fingerprints.of(self._arenas[place].array[:nbytes])
 
     def close(self) -> None:
         """Unlink every segment; idempotent. A write still running keeps its mapping (and
@@ -333,7 +333,7 @@ class ShmReader(Reader):
         then()  # the CPU read it synchronously: nothing is in flight
 
     def fingerprint(self, token: mmap.mmap, nbytes: int) -> int:
-        return layout.fingerprint(np.frombuffer(token, dtype=np.uint8, count=nbytes))
+        return fingerprints.of(np.frombuffer(token, dtype=np.uint8, count=nbytes))
 
     def close(self) -> None:
         """Forget the mappings; live views keep theirs until they die."""
