@@ -27,6 +27,8 @@ connection where it belongs in the order.
 from __future__ import annotations
 
 import collections
+import contextlib
+import logging
 import os
 import secrets
 import socket
@@ -37,6 +39,8 @@ import zmq
 from . import protocol
 from .protocol import Kind
 
+log = logging.getLogger("tensorsocket")
+
 #: Largest message sent as one datagram (a consumer's are all smaller: protocol.MAX_REQUEST_BYTES).
 MAX_DATAGRAM = 64 * 1024
 #: A connection's poll events for a ``zmq.Poller``, as plain ints: ``zmq.POLLIN`` is an IntFlag,
@@ -46,6 +50,10 @@ IN, OUT = int(zmq.POLLIN), int(zmq.POLLOUT)
 IN_OUT, IN_ERR = IN | OUT, IN | int(zmq.POLLERR)
 _TRUNC = int(socket.MSG_TRUNC)  # (an IntFlag too)
 _BUFFER = 1 << 20  # socket buffer asked for (the kernel caps it at net.core.[rw]mem_max)
+#: Bytes a connection keeps for a peer that reads none of them, at most; then it is cut off
+#: (both ends see it closed). A frozen consumer's are far fewer: its batches wait for its
+#: credits, and its heartbeats are a few dozen bytes a second.
+MAX_PENDING_BYTES = 64 << 20
 #: The two markers, as both sides send and compare them (byte for byte: they carry no fields).
 SWITCHED = protocol.encode(Kind.SWITCHED)
 LARGE = protocol.encode(Kind.LARGE)
@@ -109,18 +117,38 @@ class Connection:
         self.sock = sock
         self.fd = sock.fileno()
         self.pending: collections.deque[bytes] = collections.deque()
-        self.broken = False  # the peer is gone: sends are dropped (nobody reads them)
+        self.pending_bytes = 0
+        self.broken = False  # the peer is gone, or was cut off: sends are dropped
 
     def send(self, frame: bytes) -> None:
-        if self.pending:
-            self.pending.append(frame)
+        if not self.pending:
+            try:
+                self.sock.send(frame)
+                return
+            except BlockingIOError:
+                pass
+            except OSError:
+                self.broken = True
+                return
+        if self.broken:
             return
-        try:
-            self.sock.send(frame)
-        except BlockingIOError:
-            self.pending.append(frame)
-        except OSError:
-            self.broken = True
+        self.pending.append(frame)
+        self.pending_bytes += len(frame)
+        if self.pending_bytes > MAX_PENDING_BYTES:
+            self._cut_off()
+
+    def _cut_off(self) -> None:
+        """The peer read none of the last MAX_PENDING_BYTES sent: stop keeping them, and shut
+        the connection down so both ends see it closed (the producer's liveness checks then
+        evict a consumer that is still alive)."""
+        log.warning(
+            "cut off a session connection: its peer read none of the last %d MiB sent to it",
+            self.pending_bytes >> 20,
+        )
+        self.broken, self.pending_bytes = True, 0
+        self.pending.clear()
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
 
     def flush(self) -> None:
         """Send what waited, as far as the kernel takes it now."""
@@ -132,9 +160,10 @@ class Connection:
             except OSError:
                 self.broken = True
                 return
-            self.pending.popleft()
+            self.pending_bytes -= len(self.pending.popleft())
         if self.broken:
             self.pending.clear()
+            self.pending_bytes = 0
 
     def recv(self, limit: int) -> bytes | None:
         """The next message, None if none is waiting; ``b""`` once the peer closed its end (or

@@ -98,6 +98,7 @@ class ProducerStatus(TypedDict):
     publish_time: float  # seconds writing and announcing, slot_wait included
     restaged: int  # kept batches written into a place again for a joiner
     bad_messages: int
+    dropped_replies: int  # messages dropped: their peer's queue was full (it read none of them)
 
 
 class TimeShares(TypedDict):

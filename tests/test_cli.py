@@ -584,7 +584,7 @@ def _status(**fields: Any) -> dict[str, Any]:
         "replay_batches": 8, "replay_budget_bytes": 1 << 30, "kept_batches": 8, "resident_batches": 12,
         "slot_bytes": 12 << 20, "stragglers": "stall", "max_lag": None, "epoch": 1, "next_seq": 20,
         "ended": False, "batches_per_epoch": 16, "samples_per_epoch": 512, "published": 18,
-        "loader_wait": 6.0, "slot_wait": 1.0, "publish_time": 1.5, "restaged": 3, "bad_messages": 0,
+        "loader_wait": 6.0, "slot_wait": 1.0, "publish_time": 1.5, "restaged": 3, "bad_messages": 0, "dropped_replies": 0,
         "consumers": [
             _consumer("a", cursor=17, lag=1, held=2, batch_size=32, device="cuda:0"),
             _consumer("late", pid=8, cursor=None, held=0, received=0, samples_per_s=None, waiting_share=None),

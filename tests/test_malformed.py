@@ -20,6 +20,7 @@ import zmq
 from tensorsocket import Consumer, Producer, ProducerLost, ProtocolError, layout_table, protocol
 from tensorsocket.endpoint import resolve
 from tensorsocket.host import boot_id, pid_namespace
+from tensorsocket.producer.sessions import QUEUE_PER_PEER
 from tensorsocket.protocol import Kind
 from tests.support import NestedLoader, expected_batch, join_or_fail, same, serving, wait_until
 
@@ -641,3 +642,32 @@ def test_batches_carry_a_fingerprint_only_while_a_consumer_checks_writes(name, c
             assert (msg["fingerprint"] is not None) is check_writes
         finally:
             sock.close(0)
+
+
+def test_peers_that_never_read_their_replies_cost_bounded_memory(name, caplog):
+    """Two raw peers send STATUS requests and read none of the replies: the producer keeps
+    at most QUEUE_PER_PEER messages for each (its ZeroMQ queue) instead of all of them. The
+    one that joined is evicted (what it is sent next would be lost); the other's replies are
+    dropped; the producer says so and goes on answering."""
+    flood = QUEUE_PER_PEER + 3000
+    request = protocol.encode(Kind.STATUS, status=None)
+    with Producer(NestedLoader(3), name=name) as producer:
+        stranger, joined = dealer(producer.endpoint), dealer(producer.endpoint)
+        try:
+            joined.send(protocol.encode(Kind.HELLO, **hello(label="deaf", timeout=600.0)))
+            receive(joined, {Kind.WELCOME})
+            for sock in (stranger, joined):
+                sock.setsockopt(zmq.RCVHWM, 10)
+                for _ in range(flood):
+                    sock.send(request)
+                sock.send(b"")  # a bad message: once it is counted, every request before was read
+            wait_until(lambda: producer.status()["bad_messages"] == 2, 120, "the requests to be read")
+            assert producer.status()["dropped_replies"] >= 2 * (flood - QUEUE_PER_PEER - 2000)
+            assert producer.status()["consumers"] == []  # "deaf" was evicted
+            assert "consumer 'deaf'" in caplog.text and "read none of the last" in caplog.text
+            for sock in (stranger, joined):
+                assert QUEUE_PER_PEER // 2 <= len(drain(sock)) <= QUEUE_PER_PEER + 2000
+            assert alive(producer.endpoint)
+        finally:
+            stranger.close(0)
+            joined.close(0)

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from tensorsocket import Consumer, Producer, protocol
+from tensorsocket import Consumer, Producer, protocol, session
 from tensorsocket.producer import sessions as producer_sessions
 from tensorsocket.protocol import Kind
 from tensorsocket.session import Connection
@@ -242,6 +242,32 @@ def test_sends_the_kernel_cannot_take_wait_in_order():
     sender.send(b"to nobody")  # the peer is gone: dropped, never raised
     sender.flush()
     assert sender.broken and not sender.pending
+    sender.close()
+
+
+def test_a_peer_that_reads_nothing_is_cut_off_once_its_pending_bytes_pass_the_bound(monkeypatch, caplog):
+    """What the kernel cannot take waits in ``pending``, up to MAX_PENDING_BYTES: past it the
+    connection is cut off (it keeps nothing more) and the peer sees it closed after what the
+    kernel already held, so memory stays bounded whatever a peer that never reads is sent."""
+    monkeypatch.setattr(session, "MAX_PENDING_BYTES", 4 << 20)
+    near, far = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sender = Connection(near)
+    frame = b"x" * (60 << 10)
+    sent = 0
+    while not sender.broken and sent < 10_000:
+        sender.send(frame)
+        sent += 1
+    assert sender.broken and not sender.pending and sender.pending_bytes == 0, sent
+    sender.send(frame)  # dropped: nothing is kept any more
+    assert not sender.pending
+    assert "read none of the last 4 MiB" in caplog.text
+    far.settimeout(10)
+    got = 0
+    while (data := far.recv(1 << 16)) != b"":  # what the kernel held, then the end
+        assert data == frame
+        got += 1
+    assert 0 < got < sent
+    far.close()
     sender.close()
 
 

@@ -48,7 +48,7 @@ def producer(**fields: Any) -> ProducerStatus:
         "slot_bytes": 12 << 20, "transport": "shm", "device": "cpu", "gpu_mib": None, "stragglers": "stall",
         "max_lag": None, "epoch": 1, "next_seq": 20, "ended": False, "batches_per_epoch": 16,
         "samples_per_epoch": 512, "published": 18, "loader_wait": 6.0, "slot_wait": 1.0,
-        "publish_time": 1.5, "restaged": 3, "bad_messages": 0,
+        "publish_time": 1.5, "restaged": 3, "bad_messages": 0, "dropped_replies": 0,
         "consumers": [consumer("a", lag=1, held=2), consumer("b", held=0)], "groups": [],
     }  # fmt: skip
     return {**base, **fields}  # type: ignore[typeddict-item]

@@ -187,6 +187,8 @@ def format_status(
         lines.append(f"  GPU memory of the producer on {s['device']}: {fmt_bytes(producer_gpu * MIB)}")
     if s["bad_messages"]:
         lines.append(f"  bad messages received: {s['bad_messages']}")
+    if s.get("dropped_replies"):
+        lines.append(f"  messages dropped for peers that read nothing: {s['dropped_replies']}")
     gpu_text, gpu_by_pid = gpu if gpu is not None else gpu_usage()
     lines += ["  " + line for line in gpu_text]
     consumers = s["consumers"]

@@ -25,7 +25,7 @@ from ..host import boot_id, pid_alive, pid_namespace, same_host
 from ..protocol import Kind
 from .room import check_group_fits
 from .session_turns import HANDOVER, publisher_turn
-from .sessions import Sessions, send_zmq
+from .sessions import QUEUE_PER_PEER, Sessions, send_zmq
 from .shared import TICK, TICK_MS, Peer, Shared
 
 log = logging.getLogger("tensorsocket")
@@ -64,7 +64,8 @@ class IoLoop:
     def _run(self, endpoint: str, owner: object) -> None:
         socket = zmq.Context.instance().socket(zmq.ROUTER)
         socket.setsockopt(zmq.LINGER, 500)
-        socket.setsockopt(zmq.SNDHWM, 0)  # never drop: credits bound what is queued
+        socket.setsockopt(zmq.SNDHWM, QUEUE_PER_PEER)  # (a consumer's: credits bound what is queued)
+        socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full queue raises, so it is never dropped unseen
         socket.setsockopt(zmq.RCVHWM, 0)
         socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_REQUEST_BYTES)
         try:
@@ -140,7 +141,7 @@ class IoLoop:
             self.sessions.close_gone(shared.peers)
             if self.sessions.version != version:
                 shared.notify()  # (a publishing thread asleep on the sessions polls anew)
-        send_zmq(self.socket, zmq_frames)
+        _cut_off_unread(self, send_zmq(self.socket, zmq_frames))
 
     def _session_event(self, fd: int, catch_up: bool = False) -> None:
         """Something on a session descriptor: a connection to accept, one saying whose it is
@@ -333,6 +334,24 @@ class IoLoop:
                 elif now - peer.last_sent > _heartbeat_interval(peer):
                     shared.post(cid, protocol.encode(Kind.HEARTBEAT))
             shared.notify()
+
+
+def _cut_off_unread(io: IoLoop, full: list[Hashable]) -> None:
+    """Peers whose queue is full read none of the last QUEUE_PER_PEER messages they were sent.
+    A consumer is evicted (what it is sent next would be lost: it cannot be served exactly);
+    anyone else's replies are dropped (a flood it never reads costs bounded memory)."""
+    if not full:
+        return
+    shared = io.shared
+    with shared.changed:
+        before = shared.stats["dropped_replies"]
+        count = shared.stats["dropped_replies"] = before + len(full)
+        for cid in dict.fromkeys(full):
+            if cid in shared.peers:
+                reason = f"it read none of the last {QUEUE_PER_PEER} messages it was sent"
+                io.drop(cid, f"evicted: {reason}", reason)
+            if before < 20 or before // 1000 != count // 1000:  # (rate-limited: a flood would flood the log)
+                log.warning("dropped messages to %r: it reads nothing (%d dropped so far)", cid, count)
 
 
 def _repoll(poller: zmq.Poller, polled: dict[int, int], wanted: dict[int, int]) -> dict[int, int]:

@@ -24,6 +24,10 @@ log = logging.getLogger("tensorsocket")
 _BIND_WITHIN = 10.0  # seconds a connection may take to say whose it is
 _MAX_UNBOUND = 64  # connections at once that have not said whose they are; more are closed
 _ACCEPT_PAUSE = 1.0  # seconds the listener is not polled after accept() failed (out of descriptors)
+#: Messages queued for a ZeroMQ peer that reads none of them, at most (its SNDHWM): a STATUS
+#: flood never read would grow the producer without bound. A consumer's are far fewer: batches
+#: wait for its credits, and a heartbeat a second takes hours to fill it (it is evicted then).
+QUEUE_PER_PEER = 10_000
 
 
 class Sessions:
@@ -173,7 +177,7 @@ class Sessions:
         if conn is None:
             return False
         if len(frame) > session.MAX_DATAGRAM:
-            socket.send_multipart([cid, frame], zmq.NOBLOCK)  # type: ignore[list-item]
+            send_zmq(socket, [(cid, frame)])  # (a peer too full for it reads nothing: it is cut off)
             frame = session.LARGE
         conn.send(frame)
         return True
@@ -219,10 +223,17 @@ class Sessions:
             self.listener.close()
 
 
-def send_zmq(socket: zmq.Socket, frames: list[tuple[Hashable, bytes]]) -> None:
-    """Send ``(cid, frame)`` pairs over the ROUTER socket (its I/O thread only)."""
+def send_zmq(socket: zmq.Socket, frames: list[tuple[Hashable, bytes]]) -> list[Hashable]:
+    """Send ``(cid, frame)`` pairs over the ROUTER socket (its I/O thread only); the peers
+    whose queue is full (they read none of the last :data:`QUEUE_PER_PEER` messages): what
+    they were sent is dropped. So is a message to a peer that disconnected."""
+    full = []
     for cid, frame in frames:
         try:
             socket.send_multipart([cid, frame], zmq.NOBLOCK)  # type: ignore[list-item]
         except zmq.Again:
-            log.warning("dropped a message to %r: its queue is full", cid)
+            full.append(cid)
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+    return full

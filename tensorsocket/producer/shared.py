@@ -127,6 +127,7 @@ class Shared:
             "publish_time": 0.0,
             "restaged": 0,  # kept batches written into a place again for a joiner
             "bad_messages": 0,
+            "dropped_replies": 0,  # messages to a peer whose queue was full (it read nothing): see io_loop
         }
         self.place_wait_since: float | None = None  # (perf_counter) a wait for a free place began
         self.born = time.monotonic()
