@@ -236,6 +236,63 @@ def test_a_joiner_replaying_when_the_producer_dies_gets_every_batch_from_the_suc
         assert result["seen"] == expected, (result["options"], _first_difference(result["seen"], expected))
 
 
+def _die_after_a_stale_write(name: str, blocked: Any, go: Any) -> None:
+    """A resumable producer whose publishing thread, having taken the restart point for batch
+    6 under the lock, waits for ``go`` before writing it (a slow ``loader.state_dict()``),
+    then SIGKILLs itself. The writes between lag (as WRITE_EVERY lets them), so the file still
+    says the epoch's start when a joiner comes: its join moves the point back no further."""
+    restart.WRITE_EVERY = 3600.0
+    published = restart.Tracker.published
+
+    def slow(self: Any, seq: int, epoch: int, first_seq: int, index: int, fingerprint: int) -> None:
+        if index == 6:
+            blocked.set()
+            go.wait(60)
+            restart.WRITE_EVERY = 0.0
+        published(self, seq, epoch, first_seq, index, fingerprint)
+
+    restart.Tracker.published = slow  # type: ignore[method-assign]
+    producer = Producer(restart_pipeline.seeded(delay=0.01), name=name, resume=True, slots=8)
+    for n, _ in enumerate(producer, 1):
+        if n == 6:  # batch 6's point will be past what the leader got: 5, or 6
+            wait_until(
+                lambda: producer._shared.flow.restart_point() >= 5, 60, "the leader to be 5 batches in"
+            )
+        if n == 7:  # batch 6's point was written
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_point_taken_before_a_join_that_did_not_write_is_not_written_after_it(name, tmp_path):
+    """The publishing thread takes batch 6's point, 5 or 6; a joiner joins and replays from
+    batch 0, which is no earlier than the point last written (the epoch's start), so the join
+    writes nothing; then the thread writes its point. The joiner was sent batches 0 and 1 by
+    then: a successor resuming at 5 no longer has batch 2, and the joiner missed the rest of
+    the epoch (22 batches, every run, before the join superseded such a point too)."""
+    expected = restart_pipeline.uninterrupted(restart_pipeline.seeded(), EPOCHS)
+    blocked, go, dead, out = SPAWN.Event(), SPAWN.Event(), SPAWN.Event(), SPAWN.Queue()
+    first = SPAWN.Process(target=_die_after_a_stale_write, args=(name, blocked, go))
+    first.start()
+    leader = SPAWN.Process(target=_consume, args=(name, {"late_join": "now"}, out))
+    leader.start()
+    assert blocked.wait(90)
+    joiner = SPAWN.Process(
+        target=_consume, args=(name, {"late_join": "replay", "prefetch": 2}, out, (go, dead))
+    )
+    joiner.start()
+    first.join(timeout=90)
+    assert first.exitcode == -signal.SIGKILL
+    dead.set()
+    log = tmp_path / "producer.log"
+    second = _serve(name, "seeded", log)
+    assert second.wait(timeout=120) == 0, log.read_text()[-3000:]
+    results = [out.get(timeout=60) for _ in range(2)]
+    for p in (leader, joiner):
+        p.join(timeout=30)
+    for result in results:
+        assert result["missed"] is None, (result["options"], result["missed"])
+        assert result["seen"] == expected, (result["options"], _first_difference(result["seen"], expected))
+
+
 def test_a_successor_on_another_stream_is_not_mistaken_for_ours(name):
     """A producer started without resume=True (or whose state file was removed) publishes
     other batches under the same numbers: a rejoining consumer must not go on there."""

@@ -19,7 +19,8 @@ is read and written under ``changed`` (a Condition over one lock), except where 
   caller's thread.
 * ``tracker``: a resumable producer's state file (:class:`.restart.Tracker`, its own lock,
   taken after this one): the caller's thread writes it as it publishes, the I/O thread when a
-  join moves the restart point back (:meth:`Shared.send_joined`); ``joins`` counts those.
+  join moves the restart point back (:meth:`Shared.send_joined`); ``joins`` counts those,
+  ``taken`` is the point last taken for it (the publishing thread writes its own after).
 * ``stop``: an Event, set by close() from any thread; ``wakeup``: any thread pokes it.
 * ``publisher_at``, ``publisher_polling``: the caller's thread's turn at the consumers'
   sessions (:mod:`.session_turns`): while it lasts, the I/O thread reads them only for what
@@ -118,6 +119,7 @@ class Shared:
         self.batch_bytes: int | None = None  # the first batch's (the places' size: see .room)
         self.tracker: Tracker | None = None
         self.joins = 0  # joins that moved the restart point back (orders the state file's writes)
+        self.taken = 0  # the restart point restart_where() last gave
         # loader_wait: in next(loader); slot_wait: for the slowest consumer to free a place;
         # publish_time: writing and announcing (slot_wait included)
         self.stats: dict[str, Any] = {
@@ -187,7 +189,10 @@ class Shared:
         """Send what a join (or a group's start) decided (lock held). A joiner that replays
         moves the restart point back: the state file says so before any of its batches goes
         out, or a successor started after a crash would resume past batches it never got."""
-        if self.tracker is not None and self.tracker.behind(self.flow.restart_point()):
+        # Back past the point last written, or past the one the publishing thread took and
+        # may be about to write (that one must not land after the join: joins supersedes it).
+        point = self.flow.restart_point()
+        if self.tracker is not None and (self.tracker.behind(point) or point < self.taken):
             self.joins += 1
             self.tracker.save(*self.restart_where(), force=True)
         self.send_all(actions)
@@ -195,7 +200,8 @@ class Shared:
     def restart_where(self) -> tuple[int, int, int, int]:
         """(restart point, keep-from seq, consumers served, joins) for the state file (lock held)."""
         flow = self.flow
-        return flow.restart_point(), flow.keep_from(), flow.serving(), self.joins
+        self.taken = flow.restart_point()
+        return self.taken, flow.keep_from(), flow.serving(), self.joins
 
     def _group_broken(self, action: GroupBroken) -> bytes:
         who = self.departed.get(action.lost, "left")
