@@ -4,10 +4,7 @@ own ``default_collate``."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from typing import Any
 
 import pytest
@@ -16,7 +13,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from tensorsocket.pooled_collate import MAGIC, PooledCollate, Reclaimer, for_loader, installed
 
-from .support import SPAWN, same, serving, unique_name
+from .support import SPAWN, run_in_64_mib_dev_shm, same, serving, small_shm_works, unique_name
 
 SAMPLES, BATCH = 96, 8
 
@@ -340,20 +337,8 @@ def test_in_a_64_mib_dev_shm_the_pool_leaves_half_of_it_free(tmp_path: Any) -> N
     """Docker's default /dev/shm: the workers' buffers never take more than half of it (here
     8 MiB batches: at most 4 of them, fewer while fresh ones are in flight), the rest of the
     batches are made afresh as torch makes them, and every batch is intact."""
-    from .test_shm import _small_shm_works
-
-    if not _small_shm_works():
+    if not small_shm_works():
         pytest.skip("mounting a private tmpfs needs root (CI runs as root)")
-    script = tmp_path / "small_shm.py"
-    script.write_text(SMALL_SHM)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    inner = 'mount -t tmpfs -o size=64m tmpfs /dev/shm && exec "$@"'
-    done = subprocess.run(
-        ["unshare", "-m", "sh", "-c", inner, "sh", sys.executable, str(script)],
-        cwd=root, env=os.environ | {"PYTHONPATH": root}, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    lines = [line for line in done.stdout.splitlines() if line.startswith("REPORT ")]
-    assert lines, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    report = json.loads(lines[-1][len("REPORT ") :])
+    report, _ = run_in_64_mib_dev_shm(SMALL_SHM, [], tmp_path)
     assert report["bad"] == [], report
     assert 1 <= report["pooled"] <= 4, report
