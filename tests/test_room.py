@@ -19,8 +19,8 @@ pytestmark = pytest.mark.skipif(
 EPOCHS, BATCHES = 3, 8
 
 # A producer of BATCHES batches of MIB MiB (private memory: kept for replay where they are,
-# none of it in /dev/shm), a leader from the start, and consumers with LATE's options 1.5 s
-# in: what each got, or the error it raised. OPTIONS: the producer's other arguments.
+# none of it in /dev/shm), a leader from the start, and consumers with LATE's options half a
+# second after its first batch: what each got, or the error it raised. OPTIONS: the producer's other arguments.
 SCENARIO = """\
 import json, logging, sys, time
 import torch
@@ -28,13 +28,18 @@ from tensorsocket import Consumer, Producer
 from tests.support import SPAWN
 
 
-def consume(name, options, delay, out):
-    time.sleep(delay)
+def consume(name, options, started, out):
+    if options.get("label") != "leader":  # half a second after the leader's first batch
+        started.wait(60)
+        time.sleep(0.5)
     try:
         with Consumer(name=name, timeout=30, **options) as consumer:
             epochs = []
             while not consumer.finished:
-                epochs.append([int(x[0]) for x, in consumer])
+                epochs.append([])
+                for x, in consumer:
+                    epochs[-1].append(int(x[0]))
+                    started.set()
             out.put({"options": options, "epochs": [e for e in epochs if e]})
     except Exception as exc:
         out.put({"options": options, "error": f"{type(exc).__name__}: {exc}"})
@@ -57,9 +62,9 @@ if __name__ == "__main__":
     name, slots, mib, epochs, batches = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
     late, options = json.loads(sys.argv[6]), json.loads(sys.argv[7])
     logging.basicConfig(level=logging.INFO, format="LOG %(message)s", stream=sys.stdout)
-    out = SPAWN.Queue()
-    procs = [SPAWN.Process(target=consume, args=(name, {"label": "leader"}, 0.0, out))]
-    procs += [SPAWN.Process(target=consume, args=(name, options, 1.5, out)) for options in late]
+    out, started = SPAWN.Queue(), SPAWN.Event()
+    procs = [SPAWN.Process(target=consume, args=(name, {"label": "leader"}, started, out))]
+    procs += [SPAWN.Process(target=consume, args=(name, options, started, out)) for options in late]
     for p in procs:
         p.start()
     report = {}
