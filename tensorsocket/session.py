@@ -135,16 +135,13 @@ class Connection:
         self.pending.append(frame)
         self.pending_bytes += len(frame)
         if self.pending_bytes > MAX_PENDING_BYTES:
-            self._cut_off()
+            self.cut_off(f"its peer read none of the last {self.pending_bytes >> 20} MiB sent to it")
 
-    def _cut_off(self) -> None:
-        """The peer read none of the last MAX_PENDING_BYTES sent: stop keeping them, and shut
-        the connection down so both ends see it closed (the producer's liveness checks then
+    def cut_off(self, why: str) -> None:
+        """The peer reads nothing (``why``): stop keeping what waits for it, and shut the
+        connection down so both ends see it closed (the producer's liveness checks then
         evict a consumer that is still alive)."""
-        log.warning(
-            "cut off a session connection: its peer read none of the last %d MiB sent to it",
-            self.pending_bytes >> 20,
-        )
+        log.warning("cut off a session connection: %s", why)
         self.broken, self.pending_bytes = True, 0
         self.pending.clear()
         with contextlib.suppress(OSError):

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+import zmq
 
 from tensorsocket import Consumer, Producer, protocol, session
 from tensorsocket.producer import sessions as producer_sessions
@@ -269,6 +270,46 @@ def test_a_peer_that_reads_nothing_is_cut_off_once_its_pending_bytes_pass_the_bo
     assert 0 < got < sent
     far.close()
     sender.close()
+
+
+class _FullQueue:
+    """A ROUTER socket whose queue for every peer is full (ROUTER_MANDATORY raises EAGAIN)."""
+
+    def send_multipart(self, frames: list[bytes], flags: int = 0) -> None:
+        raise zmq.Again()
+
+
+def test_a_large_frame_a_full_zeromq_queue_cannot_take_cuts_the_session_off():
+    """A frame too large for a datagram goes over ZeroMQ, LARGE over the session. If the
+    peer's ZeroMQ queue is full (it read none of the last QUEUE_PER_PEER), the frame is
+    dropped: announcing it would leave the peer waiting for bytes that never come, so its
+    connection is cut off (both ends see it closed) instead."""
+    sessions = producer_sessions.Sessions()
+    near, far = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    conn = Connection(near)
+    sessions.by_cid[b"c"], sessions.cid_of[conn.fd] = conn, b"c"
+    try:
+        assert sessions.send(_FullQueue(), b"c", b"x" * (session.MAX_DATAGRAM + 1))  # type: ignore[arg-type]
+        assert conn.broken
+        far.settimeout(10)
+        assert far.recv(1 << 16) == b""  # closed, no LARGE for a frame that never comes
+    finally:
+        sessions.close()
+        far.close()
+
+
+def test_a_switch_says_whose_zeromq_queue_was_full():
+    """What was queued for ZeroMQ goes at a consumer's switch to its session, with SWITCHED:
+    the peers whose queue was full are reported (the I/O thread evicts a joined one), not
+    dropped unseen."""
+    sessions = producer_sessions.Sessions()
+    near, far = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        full = sessions.switch(_FullQueue(), (b"c", Connection(near)), [(b"other", b"reply")])  # type: ignore[arg-type]
+        assert full == [b"other", b"c"]
+    finally:
+        sessions.close()
+        far.close()
 
 
 def _as_nobody(address: str) -> str:

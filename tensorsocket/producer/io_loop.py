@@ -136,12 +136,11 @@ class IoLoop:
                 if not self.sessions.send(self.socket, cid, frame):
                     zmq_frames.append((cid, frame))
             version = self.sessions.version
-            if switch is not None:
-                zmq_frames = self.sessions.switch(self.socket, switch, zmq_frames)
+            full = [] if switch is None else self.sessions.switch(self.socket, switch, zmq_frames)
             self.sessions.close_gone(shared.peers)
             if self.sessions.version != version:
                 shared.notify()  # (a publishing thread asleep on the sessions polls anew)
-        _cut_off_unread(self, send_zmq(self.socket, zmq_frames))
+        _cut_off_unread(self, full + send_zmq(self.socket, zmq_frames))
 
     def _session_event(self, fd: int, catch_up: bool = False) -> None:
         """Something on a session descriptor: a connection to accept, one saying whose it is

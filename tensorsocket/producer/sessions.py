@@ -126,14 +126,17 @@ class Sessions:
         socket: zmq.Socket,
         bound: tuple[Hashable, session.Connection],
         queued: list[tuple[Hashable, bytes]],
-    ) -> list[tuple[Hashable, bytes]]:
+    ) -> list[Hashable]:
         """Move ``bound``'s consumer to its connection (lock held): what is ``queued`` for
-        ZeroMQ goes first, then SWITCHED, the last message it gets there. Nothing is left."""
+        ZeroMQ goes first, then SWITCHED, the last message it gets there; ``queued`` is left
+        empty. The peers whose queue was full, as :func:`send_zmq` says (their messages are
+        dropped: the caller evicts them)."""
         cid, conn = bound
-        send_zmq(socket, [*queued, (cid, session.SWITCHED)])
+        full = send_zmq(socket, [*queued, (cid, session.SWITCHED)])
+        queued.clear()
         self.by_cid[cid], self.cid_of[conn.fd] = conn, cid
         self.version += 1
-        return []
+        return full
 
     def read(self, fd: int, most: int = 1000) -> tuple[list[bytes], bool]:
         """A consumer's messages, those stashed first (at most ``most`` more, so ticks still
@@ -177,7 +180,9 @@ class Sessions:
         if conn is None:
             return False
         if len(frame) > session.MAX_DATAGRAM:
-            send_zmq(socket, [(cid, frame)])  # (a peer too full for it reads nothing: it is cut off)
+            if send_zmq(socket, [(cid, frame)]):  # dropped: LARGE would announce bytes that never come
+                conn.cut_off(f"its peer read none of the last {QUEUE_PER_PEER} messages sent over ZeroMQ")
+                return True
             frame = session.LARGE
         conn.send(frame)
         return True
