@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(
 
 EPOCHS, BATCHES = 3, 8
 
-# A producer of BATCHES batches of MIB MiB (private memory: kept for replay where they are,
+# A producer of BATCHES batches of MIB MiB ("4,10": the first batch 4, the rest 10) (private memory: kept for replay where they are,
 # none of it in /dev/shm), a leader from the start, and consumers with LATE's options half a
 # second after its first batch: what each got, or the error it raised. OPTIONS: the producer's other arguments.
 SCENARIO = """\
@@ -47,7 +47,7 @@ def consume(name, options, started, out):
 
 class Batches:
     def __init__(self, count, mib):
-        self.count, self.mib = count, mib
+        self.count, self.mib, self.first = count, mib, True
 
     def __len__(self):
         return self.count
@@ -55,11 +55,14 @@ class Batches:
     def __iter__(self):
         for i in range(self.count):
             time.sleep(0.1)
-            yield (torch.full((self.mib << 20,), i, dtype=torch.uint8),)
+            mib = self.mib[0] if self.first else self.mib[-1]  # the stream's first batch, then the rest
+            self.first = False
+            yield (torch.full((mib << 20,), i, dtype=torch.uint8),)
 
 
 if __name__ == "__main__":
-    name, slots, mib, epochs, batches = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+    name, slots, epochs, batches = sys.argv[1], int(sys.argv[2]), int(sys.argv[4]), int(sys.argv[5])
+    mib = [int(m) for m in sys.argv[3].split(",")]
     late, options = json.loads(sys.argv[6]), json.loads(sys.argv[7])
     logging.basicConfig(level=logging.INFO, format="LOG %(message)s", stream=sys.stdout)
     out, started = SPAWN.Queue(), SPAWN.Event()
@@ -83,7 +86,7 @@ def _run(
     tmp_path: Any,
     name: str,
     slots: int,
-    mib: int,
+    mib: int | str,
     late: list[dict[str, Any]],
     epochs: int = EPOCHS,
     **producer: Any,
@@ -117,11 +120,21 @@ def test_a_group_whose_places_do_not_fit_is_refused_and_the_stream_goes_on(tmp_p
         assert "/dev/shm has 40 MiB free (room for 3)" in error and "--shm-size" in error, error
 
 
+def test_a_group_is_counted_at_the_size_batches_grew_to(tmp_path, name):
+    """The first batch is 4 MiB, the rest 10: the 6 places the group would add are 60 MiB (as
+    the arenas grew), not 24 (the first batch's size), against the 44 MiB left."""
+    report, out = _run(tmp_path, name, slots=2, mib="4,10", late=_ranks(2))
+    _leader_got_everything(report, out)
+    for rank in ("rank0", "rank1"):
+        error = report["consumers"][rank]["error"]
+        assert "6 more places of 10.0 MiB (3 a rank): 60 MiB" in error, error
+
+
 def test_a_group_whose_places_fit_runs(tmp_path, name):
     """The same with 4 MiB batches: its 6 places (24 MiB) fit, and each rank gets its share.
-    The ranks join 1.5 s in and start at the next epoch's first batch: more epochs than the
-    others, or ranks that came ~0.3 s later than that (a loaded machine starting three
-    processes) would get none, the stream having ended."""
+    The ranks join half a second after the leader's first batch and start at the next
+    epoch's first batch: more epochs than the others, so ranks that start late (a loaded
+    machine starting three processes) still get some before the stream ends."""
     report, out = _run(tmp_path, name, slots=2, mib=4, late=_ranks(2), epochs=EPOCHS + 3)
     _leader_got_everything(report, out, EPOCHS + 3)
     shares = [report["consumers"][rank].get("epochs") for rank in ("rank0", "rank1")]

@@ -48,15 +48,16 @@ def check_window_fits(shared: Shared, nbytes: int) -> Room | None:
 
 
 def places_that_fit(shared: Shared) -> tuple[int, Room] | None:
-    """How many more places the store's memory holds now, each the size of the first batch's,
-    and the room it has (lock held); None before the first batch, or where the store knows
-    no limit."""
+    """How many more places the store's memory holds now, each the size of the largest arena
+    so far (batches may grow), beside the places that have none yet; and the room it has (lock
+    held). None before the first batch, or where the store knows no limit."""
     if shared.batch_bytes is None:
         return None
-    room = shared.store.room(shared.batch_bytes)
+    backed, largest = shared.store.held()
+    room = shared.store.room(max(shared.batch_bytes, largest))
     if room is None:
         return None
-    return (shared.store.bytes + room.free_bytes) // room.arena_bytes - shared.flow.place_count, room
+    return room.fits - (shared.flow.place_count - backed), room
 
 
 def check_group_fits(shared: Shared, member: Membership | None) -> None:

@@ -131,6 +131,11 @@ class Store(abc.ABC):
         transport knows no such limit."""
         return None
 
+    @abc.abstractmethod
+    def held(self) -> tuple[int, int]:
+        """(how many places have an arena, the largest arena's bytes): what a check of the room
+        for more places counts (places get theirs when first written, and grow)."""
+
     def __enter__(self) -> Store:
         return self
 

@@ -148,6 +148,9 @@ class CudaStore(Store):
         )
         return Room(free // size, size, free, where, remedy)
 
+    def held(self) -> tuple[int, int]:
+        return len(self._arenas), max((a.size for a in self._arenas.values()), default=0)
+
     def region(self, place: int) -> torch.Tensor:
         return self._arenas[place].tensor
 

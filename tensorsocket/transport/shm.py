@@ -239,6 +239,9 @@ class ShmStore(Store):
         self.bytes += prepared.info.size
         return [prepared.info.encode()]
 
+    def held(self) -> tuple[int, int]:
+        return len(self._arenas), max((a.info.size for a in self._arenas.values()), default=0)
+
     def room(self, nbytes: int) -> Room | None:
         """How many more arenas for ``nbytes`` fit in /dev/shm now (a container's is often
         64 MiB: better to know at the first batch than to hit ENOSPC a few batches later)."""
