@@ -198,6 +198,10 @@ def _publish_then_die(name: str, batches: int, die: Any) -> None:
     in the loop body (away from the producer), waits for ``die`` and SIGKILLs itself."""
     producer = Producer(restart_pipeline.seeded(delay=0.03), name=name, resume=True, slots=8)
     for n, _ in enumerate(producer, 1):
+        if n == batches - 1:  # the last batch's write then names a point past the epoch's start
+            wait_until(
+                lambda: producer._shared.flow.restart_point() >= batches - 2, 60, "the leader to catch up"
+            )
         if n == batches:
             die.wait(60)
             os.kill(os.getpid(), signal.SIGKILL)
