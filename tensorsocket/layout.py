@@ -311,21 +311,21 @@ def build(tree: Any, leaves: list[Leaf], region: torch.Tensor | np.ndarray, copy
     # and would write a whole region for one leaf. (A host tensor's .numpy() keeps the tensor.)
     on_host = isinstance(region, np.ndarray) or region.device.type == "cpu"
     host_array = region if isinstance(region, np.ndarray) else region.numpy() if on_host else None
-    base = torch.from_numpy(host_array) if host_array is not None else region
 
     def leaf_value(tag: str, leaf: Leaf) -> Any:
         at, end = leaf.offset, leaf.offset + leaf.nbytes
-        if host_array is not None:
+        if leaf.nbytes == 0:  # a zero-size slice has stride 0 and cannot be reinterpreted
+            if tag == TENSOR:
+                device = "cpu" if on_host else region.device  # type: ignore[union-attr]
+                return torch.empty(leaf.shape, dtype=TORCH_DTYPES[leaf.dtype], device=device)
+            raw = torch.empty(0, dtype=torch.uint8)
+        elif host_array is not None:
             raw = torch.from_numpy(host_array[at:end])
         else:
-            raw = torch.as_tensor(_DeviceBytes(region, at, end), device=region.device)
+            raw = torch.as_tensor(_DeviceBytes(region, at, end), device=region.device)  # type: ignore[arg-type]
         if tag == TENSOR:
-            if leaf.nbytes == 0:  # a zero-size slice has stride 0 and cannot be reinterpreted
-                return torch.empty(leaf.shape, dtype=TORCH_DTYPES[leaf.dtype], device=base.device)
             t = raw.view(TORCH_DTYPES[leaf.dtype]).view(leaf.shape)
             return t.clone() if copy else t
-        if leaf.nbytes == 0:
-            raw = torch.empty(0, dtype=torch.uint8)
         host = raw.numpy() if on_host else raw.cpu().numpy()
         a = host.view(np.dtype(leaf.dtype)).reshape(leaf.shape)
         if copy and on_host:
