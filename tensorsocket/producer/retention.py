@@ -251,11 +251,18 @@ class Replay:
         now = time.monotonic()
         if self.blocked_since is None:
             self.blocked_since = now
-        elif now - self.blocked_since >= GROW_AFTER and (short := room_to_grow(self.shared)) is not None:
-            self._evict_waiting(
-                f"this joiner waited for a batch of its replay to be written again while every place was held, and {short}"
-            )
-        elif now - self.blocked_since >= GROW_AFTER and (job := flow.restage(grow=True)) is not None:
+            return job
+        if now - self.blocked_since < GROW_AFTER:
+            return job
+        short = room_to_grow(self.shared)
+        if short is not None:
+            reason = f"this joiner waited for a batch of its replay to be written again while every place was held, and {short}"
+            evicted = self._evict_waiting(None, "no room to replay to it", reason)
+            log.error("%s: %d joiner(s) evicted", reason, evicted)
+            self.blocked_since = None
+            if self.shared.io_wanted:
+                self.shared.wakeup.wake()
+        elif (job := flow.restage(grow=True)) is not None:
             log.info(
                 "a joiner waited %.1f s for batch %d to be written again while every place was held (each "
                 "consumer's loop holding the batch it last got): one place more, %d now",
@@ -308,20 +315,17 @@ class Replay:
         )
         with shared.changed:
             shared.flow.cancel(place)
-            waiting = [cid for cid, state in shared.flow.consumers.items() if state.wants == kept.seq]
-            for cid in waiting:
-                self.io.drop(cid, "evicted: a batch it replays changed", reason)
+            evicted = self._evict_waiting(kept.seq, "a batch it replays changed", reason)
             wake = shared.io_wanted
-        log.error("%s (%d consumer(s) evicted)", reason, len(waiting))
+        log.error("%s (%d consumer(s) evicted)", reason, evicted)
         if wake:
             shared.wakeup.wake()
 
-    def _evict_waiting(self, reason: str) -> None:
-        """Evict the joiners waiting for a batch to be written again, saying why (lock held)."""
-        waiting = [cid for cid, state in self.shared.flow.consumers.items() if state.wants is not None]
+    def _evict_waiting(self, seq: int | None, why: str, reason: str) -> int:
+        """Evict the joiners waiting for kept batch ``seq`` (None: for any) to be written again,
+        telling them ``reason`` (lock held); how many."""
+        consumers = self.shared.flow.consumers
+        waiting = [c for c, s in consumers.items() if s.wants is not None and (seq is None or s.wants == seq)]
         for cid in waiting:
-            self.io.drop(cid, "evicted: no room to replay to it", reason)
-        log.error("%s: %d joiner(s) evicted", reason, len(waiting))
-        self.blocked_since = None
-        if self.shared.io_wanted:
-            self.shared.wakeup.wake()
+            self.io.drop(cid, f"evicted: {why}", reason)
+        return len(waiting)
