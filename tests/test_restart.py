@@ -207,24 +207,14 @@ def _publish_then_die(name: str, batches: int, die: Any) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def test_a_joiner_replaying_when_the_producer_dies_gets_every_batch_from_the_successor(name, tmp_path):
-    """A replaying joiner moves the restart point back: the state file must say so before
-    its first batch goes out. Here the publishing thread is away (in the loop body) from
-    before the join until the kill, so only the join itself can have written it. Before,
-    the successor resumed where the leader was and the joiner missed the batches between."""
+def _join_then_resume(name: str, tmp_path: Path, first: Any, leader: Any, out: Any, holding: Any) -> None:
+    """A replaying joiner (prefetch 2) sets ``holding`` with its first batch in hand and waits
+    there until ``first``, the producer, SIGKILLed itself; then a ``serve --resume`` successor:
+    the leader and the joiner each saw the uninterrupted stream, nothing missed."""
     expected = restart_pipeline.uninterrupted(restart_pipeline.seeded(), EPOCHS)
-    die, dead, out = SPAWN.Event(), SPAWN.Event(), SPAWN.Queue()
-    first = SPAWN.Process(target=_publish_then_die, args=(name, 6, die))
-    first.start()
-    leader = SPAWN.Process(target=_consume, args=(name, {"late_join": "now"}, out))
-    leader.start()
-    state = restart.state_path(f"ipc://{restart_pipeline_socket(name)}")
-    wait_until(
-        lambda: state.exists() and restart.read(state).point.index >= 3, 30, "the leader to be 3 batches in"
-    )
-    joiner = SPAWN.Process(
-        target=_consume, args=(name, {"late_join": "replay", "prefetch": 2}, out, (die, dead))
-    )
+    dead = SPAWN.Event()
+    options = {"late_join": "replay", "prefetch": 2}
+    joiner = SPAWN.Process(target=_consume, args=(name, options, out, (holding, dead)))
     joiner.start()
     first.join(timeout=90)
     assert first.exitcode == -signal.SIGKILL
@@ -236,8 +226,25 @@ def test_a_joiner_replaying_when_the_producer_dies_gets_every_batch_from_the_suc
     for p in (leader, joiner):
         p.join(timeout=30)
     for result in results:
-        assert result["missed"] is None, result
+        assert result["missed"] is None, (result["options"], result["missed"])
         assert result["seen"] == expected, (result["options"], _first_difference(result["seen"], expected))
+
+
+def test_a_joiner_replaying_when_the_producer_dies_gets_every_batch_from_the_successor(name, tmp_path):
+    """A replaying joiner moves the restart point back: the state file must say so before
+    its first batch goes out. Here the publishing thread is away (in the loop body) from
+    before the join until the kill, so only the join itself can have written it. Before,
+    the successor resumed where the leader was and the joiner missed the batches between."""
+    die, out = SPAWN.Event(), SPAWN.Queue()
+    first = SPAWN.Process(target=_publish_then_die, args=(name, 6, die))
+    first.start()
+    leader = SPAWN.Process(target=_consume, args=(name, {"late_join": "now"}, out))
+    leader.start()
+    state = restart.state_path(f"ipc://{restart_pipeline_socket(name)}")
+    wait_until(
+        lambda: state.exists() and restart.read(state).point.index >= 3, 30, "the leader to be 3 batches in"
+    )
+    _join_then_resume(name, tmp_path, first, leader, out, die)
 
 
 def _die_after_a_stale_write(name: str, blocked: Any, go: Any) -> None:
@@ -272,29 +279,13 @@ def test_a_point_taken_before_a_join_that_did_not_write_is_not_written_after_it(
     writes nothing; then the thread writes its point. The joiner was sent batches 0 and 1 by
     then: a successor resuming at 5 no longer has batch 2, and the joiner missed the rest of
     the epoch (22 batches, every run, before the join superseded such a point too)."""
-    expected = restart_pipeline.uninterrupted(restart_pipeline.seeded(), EPOCHS)
-    blocked, go, dead, out = SPAWN.Event(), SPAWN.Event(), SPAWN.Event(), SPAWN.Queue()
+    blocked, go, out = SPAWN.Event(), SPAWN.Event(), SPAWN.Queue()
     first = SPAWN.Process(target=_die_after_a_stale_write, args=(name, blocked, go))
     first.start()
     leader = SPAWN.Process(target=_consume, args=(name, {"late_join": "now"}, out))
     leader.start()
     assert blocked.wait(90)
-    joiner = SPAWN.Process(
-        target=_consume, args=(name, {"late_join": "replay", "prefetch": 2}, out, (go, dead))
-    )
-    joiner.start()
-    first.join(timeout=90)
-    assert first.exitcode == -signal.SIGKILL
-    dead.set()
-    log = tmp_path / "producer.log"
-    second = _serve(name, "seeded", log)
-    assert second.wait(timeout=120) == 0, log.read_text()[-3000:]
-    results = [out.get(timeout=60) for _ in range(2)]
-    for p in (leader, joiner):
-        p.join(timeout=30)
-    for result in results:
-        assert result["missed"] is None, (result["options"], result["missed"])
-        assert result["seen"] == expected, (result["options"], _first_difference(result["seen"], expected))
+    _join_then_resume(name, tmp_path, first, leader, out, go)
 
 
 def test_a_successor_on_another_stream_is_not_mistaken_for_ours(name):
