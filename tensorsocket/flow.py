@@ -148,8 +148,10 @@ class Flow(Replaying):
         """Consumers the stream is for: not waiting for the rest of their group, not cut off."""
         return len([c for c in self.consumers.values() if not (c.broken or c.forming)])  # (no generator)
 
-    def places_to_start(self, member: Membership) -> int:
-        """Places the start of ``member``'s group would add (see :class:`Forming`)."""
+    def places_to_start(self, member: Membership, policy: LateJoin = LateJoin.REPLAY) -> int:
+        """Places the start of ``member``'s group would add (see :class:`Forming`); ValueError
+        first if :meth:`join` would refuse it, which names the real conflict."""
+        self._forming.check(member, LateJoin(policy).value, self.window, self.max_lag is None)
         return self._forming.places_to_start(member, self.groups())
 
     def groups(self) -> list[Group]:

@@ -103,8 +103,15 @@ class Forming:
         self.places = 0
 
     def add(self, cid: Hashable, member: Membership, policy: str, window: int, stall: bool) -> Group:
-        """Record ``cid`` as a member (ValueError naming a bad member or a conflict with the
-        ones already here, which then stay as they were); the group it joined."""
+        """Record ``cid`` as a member (ValueError as :meth:`check`); the group it joined."""
+        group = self.check(member, policy, window, stall)
+        group.members[member.rank] = cid
+        self.groups[member.group] = group
+        return group
+
+    def check(self, member: Membership, policy: str, window: int, stall: bool) -> Group:
+        """The group ``member`` would join; ValueError naming a bad member or a conflict with
+        the ones already here (nothing is recorded either way)."""
         name, rank, size = member.group, member.rank, member.size
         if not stall:
             raise ValueError(
@@ -142,8 +149,6 @@ class Forming:
             raise ValueError(
                 f"group {name!r}: this member says late_join={policy!r}, the others {group.policy!r}"
             )
-        group.members[rank] = cid
-        self.groups[name] = group
         return group
 
     def start(self, group: Group) -> None:

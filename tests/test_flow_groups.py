@@ -466,3 +466,18 @@ def test_places_to_start_counts_what_a_groups_start_would_add_beside_the_running
     flow.leave("a")
     flow.leave("b")  # a group that ended leaves its places to later ones
     assert flow.places_to_start(other) == 3 and flow.place_count == 10
+
+
+def test_places_to_start_refuses_first_what_join_would_refuse():
+    """The producer asks before the memory check, so that a member in conflict with its group
+    is told of the conflict, not of memory it would not have been given anyway."""
+    flow = Flow(window=4, places=4)
+    flow.join("a", 2, member=Membership("job", 0, 2))
+    with pytest.raises(ValueError, match="this member says world_size=3, the ones that joined 2"):
+        flow.places_to_start(Membership("job", 1, 3))
+    with pytest.raises(ValueError, match="rank 0 has joined already"):
+        flow.places_to_start(Membership("job", 0, 2))
+    with pytest.raises(ValueError, match="a group starts at an epoch's first batch"):
+        flow.places_to_start(Membership("job", 1, 2), LateJoin.NOW)
+    assert flow.places_to_start(Membership("job", 1, 2)) == 6
+    assert list(flow.consumers) == ["a"] and flow.place_count == 4  # nothing recorded

@@ -29,9 +29,9 @@ from tests.support import SPAWN
 
 
 def consume(name, options, started, out):
-    if options.get("label") != "leader":  # half a second after the leader's first batch
+    if options.get("label") != "leader":  # half a second (or "after" s) after the leader's first batch
         started.wait(60)
-        time.sleep(0.5)
+        time.sleep(options.pop("after", 0.5))
     try:
         with Consumer(name=name, timeout=30, **options) as consumer:
             epochs = []
@@ -156,3 +156,18 @@ def test_a_joiner_waiting_for_a_place_that_does_not_fit_is_evicted_and_the_strea
     assert error.startswith("Evicted:"), error
     assert "one more place of 24.0 MiB does not fit: /dev/shm has 16 MiB free" in error, error
     assert "late_join='next_epoch'" in error and "--shm-size" in error, error
+
+
+def test_a_member_that_conflicts_with_its_group_is_told_so_not_that_memory_is_short(tmp_path, name):
+    """slots=4 of 5 MiB take 20 MiB. Rank 0 of a group of 2 (6 places: 30 MiB, which fit)
+    waits for its rank 1, which never comes; a member that says world_size=4 joins later. Its
+    12 places would not fit either, but what is wrong is its world_size, and that is what it
+    is told (it was told the memory was short)."""
+    late = [_ranks(2)[0], {"label": "wrong", "group": "g", "rank": 1, "world_size": 4, "after": 1.5}]
+    report, out = _run(tmp_path, name, slots=4, mib=5, late=late, epochs=EPOCHS + 2)
+    _leader_got_everything(report, out, EPOCHS + 2)
+    error = report["consumers"]["wrong"]["error"]
+    assert (
+        error.startswith("Refused:") and "this member says world_size=4, the ones that joined 2" in error
+    ), error
+    assert report["consumers"]["rank0"].get("epochs") == [], report["consumers"]["rank0"]

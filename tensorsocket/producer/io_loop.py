@@ -262,10 +262,9 @@ class IoLoop:
             # A group member starts with its group once every rank is READY (began iterating:
             # after any load_state_dict, whatever order the trainers start in).
             at, rejoined = position(self.shared.config.stream, msg["resume"])
-            check_group_fits(shared, member)
-            actions = shared.flow.join(
-                cid, msg["prefetch"], LateJoin(msg["late_join"]), member, at, member is None, rejoined
-            )
+            policy = LateJoin(msg["late_join"])
+            check_group_fits(shared, member, policy)
+            actions = shared.flow.join(cid, msg["prefetch"], policy, member, at, member is None, rejoined)
         except ValueError as exc:  # a group member that conflicts with the others
             log.warning("refused %s: %s", peer.describe(), exc)
             shared.post(cid, protocol.encode(Kind.ERROR, reason=str(exc)))

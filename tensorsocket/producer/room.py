@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 
 from ..flow_groups import GROUP_PLACES_PER_RANK, Membership
+from ..flow_types import LateJoin
 from ..transport.base import Room
 from .shared import Shared
 
@@ -60,14 +61,15 @@ def places_that_fit(shared: Shared) -> tuple[int, Room] | None:
     return room.fits - (shared.flow.place_count - backed), room
 
 
-def check_group_fits(shared: Shared, member: Membership | None) -> None:
+def check_group_fits(shared: Shared, member: Membership | None, policy: LateJoin) -> None:
     """ValueError naming the numbers, before a group member joins, if its group's start would
     add more places than the memory holds (lock held). Refusing it then costs nobody else
-    anything; an ``ENOSPC`` at the group's start would end the stream for every consumer."""
+    anything; an ``ENOSPC`` at the group's start would end the stream for every consumer. A
+    member the flow would refuse anyway is refused for that (its error names the real fault)."""
     fit = None if member is None else places_that_fit(shared)
     if member is None or fit is None:
         return
-    more, (fits, room) = shared.flow.places_to_start(member), fit
+    more, (fits, room) = shared.flow.places_to_start(member, policy), fit
     if more > fits:
         size = room.arena_bytes / MIB
         raise ValueError(
