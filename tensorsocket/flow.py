@@ -149,8 +149,7 @@ class Flow(Replaying):
         return len([c for c in self.consumers.values() if not (c.broken or c.forming)])  # (no generator)
 
     def places_to_start(self, member: Membership, policy: LateJoin = LateJoin.REPLAY) -> int:
-        """Places the start of ``member``'s group would add (see :class:`Forming`); ValueError
-        first if :meth:`join` would refuse it, which names the real conflict."""
+        """Places ``member``'s group's start would add (ValueError if :meth:`join` would refuse it)."""
         self._forming.check(member, LateJoin(policy).value, self.window, self.max_lag is None)
         return self._forming.places_to_start(member, self.groups())
 
@@ -519,6 +518,9 @@ class Flow(Replaying):
             state.last_sent = entry
             cursor += 1
         state.cursor = cursor
+        if state.unsent_skips and out:  # the gap is said right before what follows it
+            out.insert(0, Skipped(cid, state.unsent_skips))
+            state.unsent_skips = 0
         if cut_after is not None and cursor is not None and cursor > cut_after:
             out.extend(self._cut(cid, state))
         return out
@@ -540,18 +542,16 @@ class Flow(Replaying):
         return out
 
     def _skip(self, cid: Hashable, state: ConsumerState, lag: int) -> list[Action]:
-        """Move a straggler's cursor past its oldest unsent batches until its lag is ``lag``;
-        the epoch markers after a skipped batch are still sent."""
+        """Move a straggler's cursor past its oldest unsent batches until its lag is ``lag``
+        (epoch markers are still sent). Its Skipped goes out with the next entry sent: one for
+        the gap, not one per batch published while it (stopped?) reads nothing."""
         out: list[Action] = []
         while self._lag(state) > lag:
             # _deliver stopped on a batch (markers need no credit): that one is skipped.
             assert self._log[state.cursor].kind is EntryKind.BATCH  # type: ignore[index]
             state.cursor += 1  # type: ignore[operator]
             state.skipped += 1
-            if out and isinstance(out[-1], Skipped):
-                out[-1] = Skipped(cid, out[-1].count + 1)
-            else:
-                out.append(Skipped(cid, 1))
+            state.unsent_skips += 1
             out.extend(self._deliver(cid, state))
         return out
 

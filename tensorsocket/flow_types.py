@@ -93,6 +93,7 @@ class ConsumerState:
     held: dict[int, int] = field(default_factory=dict)  # seq -> place
     received: int = 0  # batches sent
     skipped: int = 0  # batches jumped over (policy skip)
+    unsent_skips: int = 0  # of those, not yet said: a Skipped goes out before the next entry sent
     finished: bool = False  # END was sent
     catching_up: bool = False  # joined further behind than the limit allows, not yet caught up
     group: Group | None = None

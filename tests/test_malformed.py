@@ -671,3 +671,43 @@ def test_peers_that_never_read_their_replies_cost_bounded_memory(name, caplog):
         finally:
             stranger.close(0)
             joined.close(0)
+
+
+def test_a_straggler_that_reads_nothing_is_told_of_its_gap_once_not_once_a_batch(name):
+    """stragglers="skip": a raw peer that took its first batch and then reads nothing (a
+    stopped process) while the leader takes all 151. It used to be sent a SKIPPED for every
+    batch published meanwhile: 10,000 of them (QUEUE_PER_PEER) got a stopped ZeroMQ consumer
+    evicted long before its timeout. Now it is sent one SKIPPED for the whole gap, right
+    before the next batch it is sent once it releases the one it holds, and the count is
+    exact: what it was sent and what it was told it skipped add up to the epoch."""
+    batches = 151
+    producer = Producer(
+        NestedLoader(batches), name=name, slots=4, replay=0, stragglers="skip", min_consumers=2
+    )
+    with serving(producer, epochs=1) as (_, errors):
+        straggler = dealer(producer.endpoint)
+        try:
+            straggler.send(protocol.encode(Kind.HELLO, **hello(label="stopped", timeout=600.0)))
+            receive(straggler, {Kind.WELCOME})
+            with Consumer(name=name, timeout=10) as leader:
+                assert sum(1 for _ in leader) == batches
+            told: list[tuple[Kind, Any]] = []
+            while not told or told[-1][0] is not Kind.END:
+                kind, msg = receive(
+                    straggler, {Kind.BATCH, Kind.SKIPPED, Kind.EPOCH_END, Kind.END}, timeout=10
+                )
+                told.append((kind, msg["index"] if kind is Kind.BATCH else msg.get("count")))
+                if kind is Kind.BATCH:
+                    straggler.send(protocol.encode(Kind.RELEASE, seqs=[msg["seq"]]))
+            straggler.send(protocol.encode(Kind.BYE))
+            assert errors == []
+            kinds = [kind for kind, _ in told]
+            assert kinds[:3] == [Kind.BATCH, Kind.SKIPPED, Kind.BATCH] and kinds.count(Kind.SKIPPED) == 1, (
+                told
+            )
+            assert kinds[-2:] == [Kind.EPOCH_END, Kind.END], told
+            (_, first), (_, gap), (_, after) = told[:3]
+            sent = [index for kind, index in told if kind is Kind.BATCH]
+            assert first == 0 and after == 1 + gap and sent[1:] == list(range(after, batches)), told
+        finally:
+            straggler.close(0)
