@@ -491,7 +491,8 @@ def test_stopped_consumer_is_evicted_after_its_timeout_and_the_other_stays_exact
         victim.join(timeout=10)
         assert victim.exitcode == 0
     # Back from the freeze it raises instead of blocking (which error depends on what it reads
-    # first: EVICTED, its own silence clock, or a batch whose segment is already unlinked).
+    # first: EVICTED, or its own silence clock; a batch whose segment is already unlinked is
+    # dropped and the EVICTED after it read).
     assert report["error"] is not None
     # (Batches it held when it was evicted may have changed: eviction dropped its holds.)
     assert report["seen"] == [(0, i) for i in range(len(report["seen"]))]
@@ -574,3 +575,41 @@ def test_consumer_resumed_after_eviction_raises_before_handing_out_a_queued_batc
             report = results.get(timeout=30)
         producer.close()
     assert report == {"error": "Evicted", "stale": None}
+
+
+def _stopped_before_its_first_batch(name: str, ready: Any, results: Any) -> None:
+    consumer = Consumer(name=name, timeout=1.0)
+    ready.set()  # the test stops us now, before the stream starts: we map no place
+    error = None
+    try:
+        for _ in consumer:
+            pass
+    except Exception as exc:  # reported: the test checks which
+        error = f"{type(exc).__name__}: {exc}"
+    finally:
+        consumer.close()
+    results.put(error)
+
+
+@pytest.mark.parametrize("stragglers", ["stall", "skip"])
+def test_consumer_resumed_after_its_producer_closed_is_told_it_was_evicted(name, stragglers):
+    """Stopped past its timeout before its first batch, the consumer is evicted; the stream
+    goes on, ends, and the producer closes, unlinking its places. Resumed, the consumer reads
+    what was queued for it: BATCH messages whose segments it never mapped and that are gone
+    now, then EVICTED. It must raise Evicted (README: "gets Evicted when it resumes"), not
+    ProducerLost for a missing segment (each batch's place was taken back with the eviction)."""
+    ready, results = SPAWN.Event(), SPAWN.Queue()
+    victim = SPAWN.Process(target=_stopped_before_its_first_batch, args=(name, ready, results))
+    producer = Producer(NestedLoader(6), name=name, slots=3, replay=0, min_consumers=2, stragglers=stragglers)
+    with reaped(victim), serving(producer, 1) as (server, errors):
+        assert ready.wait(30)
+        os.kill(victim.pid, signal.SIGSTOP)
+        with Consumer(name=name, timeout=10) as other:  # the second consumer: the stream starts
+            assert [same(b, expected_batch(i, 6)) for i, b in enumerate(other)] == [True] * 6
+        server.join(timeout=30)
+        assert not server.is_alive() and errors == []
+        assert shm_segments(os.getpid()) == []  # closed: every place unlinked
+        os.kill(victim.pid, signal.SIGCONT)
+        error = results.get(timeout=30)
+        victim.join(timeout=10)
+    assert error is not None and error.startswith("Evicted: "), error

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from .. import protocol
-from ..errors import Evicted, GroupBroken, ProtocolError
+from ..errors import Evicted, GroupBroken, ProducerLost, ProtocolError
 from ..layout_table import Recipes
 from ..protocol import Kind
 from ..transport import Reader
@@ -46,6 +46,7 @@ class Inbox:
         self.batches_per_epoch: int | None = None
         self.last_seen = time.monotonic()  # the last message from the producer, read by either thread
         self.over = False  # the caller's thread read the end of this consumer's stream (EVICTED, say)
+        self.freed: str | None = None  # a batch lost: its arena was gone before we mapped it (why)
 
     def caller_may_read(self) -> bool:
         """Whether the caller's thread may read the link now: a session (no ZeroMQ socket to
@@ -96,10 +97,16 @@ class Inbox:
             else:  # (what _new notes, inline)
                 self.last_seq = seq
                 self.next_at = (epoch, (index // self.size + 1) * self.size)
+            if self.freed is not None:  # a batch before it was lost: yield none after it
+                self._send(protocol.encode_release([seq]))
+                return True
             recipe = self.recipes.get(layout)
-            batch, token, release = delivery.build(
-                fields, recipe, self.reader, self.releases, self.settings.copy
-            )
+            try:
+                batch, token, release = delivery.build(
+                    fields, recipe, self.reader, self.releases, self.settings.copy
+                )
+            except FileNotFoundError as exc:
+                return self._unmapped(seq, epoch, index, exc)
             # the samples counted here, off the training thread (the same for every batch of a layout)
             samples = recipe.samples if recipe.counted else recipe.count(batch)
             shared.queue.put((BATCH, (batch, epoch, index, seq, token, release, samples, self.reader)))
@@ -114,6 +121,12 @@ class Inbox:
         shared = self.shared
         if kind is Kind.EPOCH_END and not self._new(kind, msg["seq"], msg["epoch"], 0):
             return True
+        if self.freed is not None and kind is Kind.EPOCH_END:
+            return True  # (a straggler skipped ahead is sent epoch ends before its eviction)
+        if self.freed is not None and kind is Kind.END:
+            # Not evicted (that would have come first): the producer closed without us.
+            shared.fail(ProducerLost(f"the producer at {self.endpoint} is gone: {self.freed}"))
+            return False
         if kind is Kind.SKIPPED:
             shared.queue.put((SKIPPED, msg["count"]))
         elif kind is Kind.ARENA:
@@ -155,6 +168,20 @@ class Inbox:
             shared.synced.set()
         elif kind is not Kind.HEARTBEAT:
             raise ProtocolError(f"unexpected {kind.value} message from the producer")
+        return True
+
+    def _unmapped(self, seq: int, epoch: int, index: int, exc: FileNotFoundError) -> bool:
+        """A batch whose arena was unlinked before this consumer first mapped it: the producer
+        let go of the place, which it does only after it evicted this consumer (stopped past
+        its timeout, say; the producer may even have finished and closed since), or when it
+        closed without waiting for it. The batch is lost: release it, yield nothing after it
+        (no batch, no epoch end), and let what follows say which: EVICTED raises Evicted, END
+        ProducerLost (so does the producer's death, or its silence)."""
+        self.freed = (
+            f"batch {index} of epoch {epoch} was freed before this consumer read it "
+            f"({exc.strerror}: {exc.filename})"
+        )
+        self._send(protocol.encode_release([seq]))
         return True
 
     def _new(self, kind: Kind, seq: int, epoch: int, index: int) -> bool:

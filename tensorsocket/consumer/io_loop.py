@@ -241,6 +241,8 @@ class ConsumerIo(Inbox):
         same endpoint and rejoin it after the last batch received (the batches held and
         queued stay valid: their memory stays mapped); else, or if none comes, ProducerLost."""
         wait = self.settings.reconnect
+        if self.freed is not None:  # a batch is lost already: a rejoin could not be exact
+            why, wait = f"{why}; {self.freed}", 0
         if not wait:
             self.shared.fail(ProducerLost(why))
             return False
