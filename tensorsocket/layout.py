@@ -356,16 +356,19 @@ class _DeviceBytes:
         }
 
 
-def map_tensors(batch: Any, fn: Any) -> Any:
-    """``batch`` with ``fn`` applied to every tensor leaf (same nesting; other leaves as they are)."""
+def map_tensors(batch: Any, fn: Any, arrays: Any = None) -> Any:
+    """``batch`` with ``fn`` applied to every tensor leaf, and ``arrays`` (if given) to every
+    NumPy array leaf (same nesting; other leaves as they are)."""
     if isinstance(batch, torch.Tensor):
         return fn(batch)
+    if arrays is not None and isinstance(batch, np.ndarray):
+        return arrays(batch)
     if isinstance(batch, tuple):
-        return tuple(map_tensors(b, fn) for b in batch)
+        return tuple(map_tensors(b, fn, arrays) for b in batch)
     if isinstance(batch, list):
-        return [map_tensors(b, fn) for b in batch]
+        return [map_tensors(b, fn, arrays) for b in batch]
     if isinstance(batch, dict):
-        return {k: map_tensors(v, fn) for k, v in batch.items()}
+        return {k: map_tensors(v, fn, arrays) for k, v in batch.items()}
     return batch
 
 

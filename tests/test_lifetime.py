@@ -13,6 +13,7 @@ import threading
 import time
 import weakref
 
+import numpy as np
 import pytest
 import torch
 
@@ -137,6 +138,25 @@ def test_copy_true_gives_private_batches_and_no_error(name):
                 batch[0].mul_(2)  # private: allowed
                 seen += 1
             assert seen == 5
+    finally:
+        producer.close()
+        server.join(timeout=10)
+
+
+def test_copy_true_copies_numpy_leaves_too(name):
+    """copy=True copied the tensors only: a NumPy leaf stayed a read-only view of the place, so
+    an in-place op on it raised and, held, it pinned the place (with slots=1, Hoarding)."""
+    batches = [{"x": torch.full((4,), float(i)), "n": np.arange(3) + i} for i in range(4)]
+    producer = Producer(batches, name=name, slots=1, replay=0)
+    server = serving(producer)
+    try:
+        with Consumer(name=name, copy=True, timeout=5) as consumer:
+            kept = list(consumer)  # copies: holding them all pins no place
+            assert [int(b["x"][0]) for b in kept] == [0, 1, 2, 3]
+            for i, batch in enumerate(kept):
+                assert batch["n"].flags.writeable and batch["n"].base is None
+                batch["n"] += 1  # private: allowed
+                assert batch["n"].tolist() == [i + 1, i + 2, i + 3]
     finally:
         producer.close()
         server.join(timeout=10)

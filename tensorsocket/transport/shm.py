@@ -328,9 +328,11 @@ class ShmReader(Reader):
         return self.lease(place, nbytes).region
 
     def deliver(self, views: Any, copy: bool) -> Any:
+        # NumPy leaves (host only) are copied too: a view left in a copied batch would pin the
+        # place for as long as it lives, read-only
         if self.device.type != "cpu":  # one copy, straight from shared memory to the device
-            return layout.map_tensors(views, lambda t: t.to(self.device))
-        return layout.map_tensors(views, torch.clone) if copy else views
+            return layout.map_tensors(views, lambda t: t.to(self.device), np.copy)
+        return layout.map_tensors(views, torch.clone, np.copy) if copy else views
 
     def retire(self, token: Any, then: Callable[[], None]) -> None:
         then()  # the CPU read it synchronously: nothing is in flight
