@@ -114,9 +114,9 @@ class _Planner:
             t = node
             if not taken_as_is((node,)):  # (rare)
                 if node.layout is not torch.strided or node.is_quantized or node.is_meta:
+                    kind = "quantized" if node.is_quantized else "meta" if node.is_meta else node.layout
                     raise TypeError(
-                        f"batch leaf {_where(path)} is a {node.layout}, quantized or meta tensor; "
-                        "only dense tensors can be shared"
+                        f"batch leaf {_where(path)} is a {kind} tensor; only dense tensors can be shared"
                     )
                 t = node.detach() if node.requires_grad else node
                 if t.is_conj() or t.is_neg() or not t.is_contiguous():

@@ -497,6 +497,22 @@ def test_plan_rejects_unshareable_leaves_naming_the_path(batch: Any, path: str) 
     assert path in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("leaf", "kind"),
+    [
+        (torch.randn(3).to_sparse(), "a torch.sparse_coo tensor"),
+        (_quantized(), "a quantized tensor"),
+        (torch.empty(3, device="meta"), "a meta tensor"),
+    ],
+    ids=["sparse", "quantized", "meta"],
+)
+def test_plan_says_which_kind_of_tensor_it_refuses(leaf: torch.Tensor, kind: str) -> None:
+    """A quantized tensor was refused as 'a torch.strided, quantized or meta tensor'."""
+    with pytest.raises(TypeError, match="only dense tensors") as info:
+        layout.plan([leaf])
+    assert f"batch[0] is {kind};" in str(info.value)
+
+
 def test_plan_depth_boundary() -> None:
     batch = _nested(layout.MAX_DEPTH)
     out, _, _ = _roundtrip(batch)
