@@ -21,6 +21,7 @@ class Replaying:
     _log: dict[int, Entry]
     consumers: dict[Hashable, ConsumerState]
     next_seq: int
+    ended: bool
     _epoch_start: int
     _replay_from: int
     _replay_open: bool
@@ -94,6 +95,25 @@ class Replaying:
         self._fill(place)
         self._restaging[place] = seq
         return seq, place
+
+    def every_place_held(self) -> bool:
+        """The window is open, yet every place holds a batch some consumer holds."""
+        if self.ended or not self._window_open():
+            return False
+        return all(s.state is PlaceState.PUBLISHED and s.holders for s in self._places)
+
+    def grow_for_next(self) -> int | None:
+        """One more place, reserved for the next batch, if the window is open and every place
+        holds a batch some consumer holds; else None. Consumers that each keep a few batches (a
+        loop left early, gradient accumulation) can hold every place between them, none of them
+        all it may hold, and then none of them could ever be sent another batch. The producer
+        asks only once every consumer has waited a while for one (``producer/stuck.py``): a
+        consumer that is merely slow lets go. The places so grow rarely, by one, and never past
+        what the consumers may hold (their ``prefetch``) plus one."""
+        if not self.every_place_held():
+            return None
+        self.add_places(1)
+        return self._fill(self._free.pop())  # (the new one: no place was free)
 
     def restaged(self, place: int, payload: Any) -> list[Action]:
         """The place :meth:`restage` gave holds its batch again (``payload``: the message that
@@ -178,6 +198,9 @@ class Replaying:
 
     # Flow's own, used here
     def add_places(self, n: int) -> None:
+        raise NotImplementedError
+
+    def _window_open(self) -> bool:
         raise NotImplementedError
 
     def _resident(self, seq: int) -> bool:

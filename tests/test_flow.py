@@ -1150,3 +1150,30 @@ def test_keep_must_be_a_count() -> None:
         flow.publish(place, "x", keep=-1)  # type: ignore[arg-type]
     with pytest.raises(RuntimeError):
         flow.restaged(place, "x")  # type: ignore[arg-type]
+
+
+def test_a_place_is_added_for_the_next_batch_only_while_every_place_is_held_and_the_window_open() -> None:
+    """What the producer asks for once every consumer has waited a while (producer/stuck.py):
+    consumers that keep batches can hold every place between them, none all it may."""
+    flow = Flow(window=4, places=4)
+    flow.join("a", prefetch=4)
+    flow.join("b", prefetch=4)
+    for _ in range(4):
+        publish(flow)
+    flow.release("a", [0, 1])  # a keeps 2 and 3, b keeps 0 and 1
+    flow.release("b", [2, 3])
+    assert flow.reserve() is None and flow.every_place_held()
+    place = flow.grow_for_next()
+    assert place == 4 and flow.place_count == 5
+    assert sent(flow.publish(place, batch_payload(4))) == [4, 4]  # both have room for it
+    check_invariants(flow)
+    flow.release("a", [2])  # 2 is held by nobody now: its place is the next one, none is added
+    assert not flow.every_place_held() and flow.grow_for_next() is None and flow.place_count == 5
+    assert flow.reserve() == 2
+    # A batch that is owed but not held (the consumer has no room for it yet) is not "held":
+    # flow control waits for that consumer, and no place is added.
+    slow = Flow(window=2, places=2)
+    slow.join("s", prefetch=1)
+    publish(slow)
+    publish(slow)  # s holds 0 and is owed 1
+    assert slow.reserve() is None and not slow.every_place_held() and slow.grow_for_next() is None

@@ -12,13 +12,14 @@ import sys
 import threading
 import time
 import weakref
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
 from tensorsocket import BatchModified, Closed, Consumer, Producer, TensorSocketError
-from tests.support import NestedLoader, expected_batch, same, start_consumers, wait_until
+from tests.support import SPAWN, NestedLoader, expected_batch, same, start_consumers, wait_until
 
 
 def serving(producer: Producer, epochs: int = 1) -> threading.Thread:
@@ -363,3 +364,101 @@ def test_a_forked_child_cannot_use_the_consumer_it_inherited_and_the_parent_stay
     finally:
         producer.close()
         server.join(timeout=10)
+
+
+def _keep_two_then_break(name: str, results: Any) -> None:
+    """A trainer that keeps its last two batches when it leaves its loop early (at batch 5),
+    then runs the next epoch: what it saw of each."""
+    try:
+        with Consumer(name=name, timeout=10) as consumer:
+            kept, seen = [], []
+            for batch in consumer:
+                kept = [*kept, batch][-2:]
+                seen.append(int(batch[0, 0]))
+                time.sleep(0.02)
+                if len(seen) == 6:
+                    break
+            del batch
+            results.put(("broke", seen))
+            results.put(("next epoch", [int(b[0, 0]) for b in consumer]))
+    except Exception as exc:  # reported by the test
+        results.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def test_consumers_that_hold_every_place_between_them_while_all_wait_get_one_more(name, caplog):
+    """One trainer keeps 2 batches when it leaves its loop early and then runs through the
+    rest of that epoch; the other keeps its previous batch besides its loop's. Neither holds
+    all it may (4), but together they hold every place, and each waits for the next batch:
+    everyone waited for ever. Now the producer, seeing them all wait, adds a place."""
+    caplog.set_level(logging.INFO, logger="tensorsocket")
+    batches = 20
+    loader = [torch.full((4, 8), float(i)) for i in range(batches)]
+    producer = Producer(loader, name=name, slots=4, replay=0, min_consumers=2)
+    server = serving(producer, epochs=2)
+    results = SPAWN.Queue()
+    breaker = SPAWN.Process(target=_keep_two_then_break, args=(name, results))
+    breaker.start()
+    got: list[int] = []
+    try:
+        with Consumer(name=name, timeout=10) as other:
+
+            def keep_previous() -> None:
+                previous = last = None
+                for _ in range(2):
+                    for batch in other:  # holds the batch while it asks for the next
+                        got.append(int(batch[0, 0]))
+                        time.sleep(0.03)
+                        previous, last = last, batch  # and the one before (gradient accumulation, say)
+                del previous, last
+
+            trainer = threading.Thread(target=keep_previous, daemon=True)
+            trainer.start()
+            trainer.join(60)
+            assert not trainer.is_alive(), f"the trainer hung after {len(got)} batches: {got}"
+        reports = dict(results.get(timeout=30) for _ in range(2))
+        breaker.join(30)
+    finally:
+        if breaker.is_alive():
+            breaker.kill()
+        producer.close()
+        server.join(timeout=30)
+    assert got == list(range(batches)) * 2
+    assert reports == {"broke": list(range(6)), "next epoch": list(range(batches))}, reports
+    assert (
+        "by consumers that all waited for the next batch" in caplog.text
+        and "one place more, 5 now" in caplog.text
+    )
+
+
+def test_a_consumer_that_is_only_slow_gets_no_more_places(name, caplog):
+    """The same holds while one consumer trains (3 s) holding what it was sent: every place
+    is held and the other waits, but the slow one is not waiting, so the producer waits for
+    it as flow control says, and the places stay the window."""
+    caplog.set_level(logging.INFO, logger="tensorsocket")
+    producer = Producer(NestedLoader(6), name=name, slots=2, replay=0, min_consumers=2)
+    server = serving(producer)
+    seen: dict[str, list[int]] = {"slow": [], "fast": []}
+
+    def train(label: str, consumer: Consumer) -> None:
+        for index, _batch in enumerate(consumer):  # (held while it trains)
+            seen[label].append(index)
+            if label == "slow" and index == 1:
+                time.sleep(3.0)
+
+    try:
+        with Consumer(name=name, timeout=10) as slow, Consumer(name=name, timeout=10) as fast:
+            threads = [
+                threading.Thread(target=train, args=(label, c))
+                for label, c in (("slow", slow), ("fast", fast))
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert not any(t.is_alive() for t in threads), seen
+            assert producer.status()["places"] == 2
+    finally:
+        producer.close()
+        server.join(timeout=30)
+    assert seen == {"slow": list(range(6)), "fast": list(range(6))}
+    assert "one place more" not in caplog.text

@@ -12,6 +12,7 @@ import gc
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import BatchModified, Hoarding, ProducerLost
@@ -77,11 +78,8 @@ class Batches:
     def start_epoch(self) -> None:
         """A new epoch: if the previous one's loop was left early, skip the rest of it (as a new
         DataLoader iterator does). Not the thread: an iterator may be handed on (see next())."""
-        while self.mid_epoch:
-            try:
-                self.next_batch()
-            except StopIteration:
-                break
+        if self.mid_epoch:
+            self._waited(self._skip_rest)  # (a wait for data, as in next(): STATS count it)
         if self.settings.group is not None and self.shared.ready is None:
             # Its group may start now (all ranks ready): from the restored position, if any.
             restored = self.restored
@@ -98,15 +96,29 @@ class Batches:
         """The next batch in this consumer's batch size; StopIteration at the epoch's end."""
         shared = self.shared
         self.thread = threading.get_ident()  # (siblings: the thread that iterates, once it does)
-        t0 = shared.wait_started = time.monotonic()
-        try:
-            batch = self.next_batch() if self.rebatcher is None else self._next_rebatched()
-        finally:
-            shared.waiting += time.monotonic() - t0
-            shared.wait_started = None
+        batch = self._waited(self.next_batch if self.rebatcher is None else self._next_rebatched)
         shared.taken_batches += 1
         shared.taken_samples += self.samples or 0
         return batch
+
+    def _waited(self, get: Callable[[], Any]) -> Any:
+        """``get()``, its time counted as waiting for data (STATS, ``status``; a wait in
+        progress counts: the producer sees consumers that all wait, see producer/stuck.py)."""
+        shared = self.shared
+        t0 = shared.wait_started = time.monotonic()
+        try:
+            return get()
+        finally:
+            shared.waiting += time.monotonic() - t0
+            shared.wait_started = None
+
+    def _skip_rest(self) -> None:
+        """The rest of an epoch whose loop was left early: received and let go."""
+        while self.mid_epoch:
+            try:
+                self.next_batch()
+            except StopIteration:
+                return
 
     def _next_rebatched(self) -> Any:
         assert self.rebatcher is not None

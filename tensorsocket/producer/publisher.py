@@ -21,6 +21,7 @@ from .retention import Kept, Replay
 from .room import check_window_fits
 from .session_turns import SessionTurns
 from .shared import TICK, Shared
+from .stuck import Stuck
 
 log = logging.getLogger("tensorsocket")
 
@@ -53,6 +54,7 @@ class Publisher:
         self.pending: list[Any] = []  # pulled already (a resume's checked batch): published first
         self.last_layout = layout_table.LastLayout()  # the last batch's layout, planned and encoded
         self.replay = Replay(shared, io)  # the batches kept for late joiners (sized at the first batch)
+        self.stuck = Stuck(shared)  # one more place when waiting consumers hold them all
         # the loader's workers collating into buffers we hand back (made before us: a restart's
         # rerun opens its iterator through it too)
         self.pool = pool
@@ -166,6 +168,10 @@ class Publisher:
                 jobs.append(job)
                 return True
             place = shared.flow.reserve()
+            if place is None:
+                place = self.stuck.place()
+            else:
+                self.stuck.since = None
             if place is not None:
                 places.append((place, shared.fingerprints_wanted()))
             return place is not None
