@@ -86,7 +86,7 @@ class Replaying:
             ]
             if kept:
                 place = max(kept, key=lambda i: self._places[i].seq)  # type: ignore[arg-type, return-value]
-            elif grow and all(s.state is PlaceState.PUBLISHED and s.holders for s in self._places):
+            elif grow and self._all_held():
                 self.add_places(1)
                 place = self._free.pop()  # (the new one: no place was free)
             else:
@@ -98,8 +98,10 @@ class Replaying:
 
     def every_place_held(self) -> bool:
         """The window is open, yet every place holds a batch some consumer holds."""
-        if self.ended or not self._window_open():
-            return False
+        return not self.ended and self._window_open() and self._all_held()
+
+    def _all_held(self) -> bool:
+        """Every place holds a published batch that some consumer holds: none could be reused."""
         return all(s.state is PlaceState.PUBLISHED and s.holders for s in self._places)
 
     def grow_for_next(self) -> int | None:
