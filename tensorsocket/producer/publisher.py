@@ -167,11 +167,7 @@ class Publisher:
             if job is not None:
                 jobs.append(job)
                 return True
-            place = shared.flow.reserve()
-            if place is None:
-                place = self.stuck.place()
-            else:
-                self.stuck.since = None
+            place = self.stuck.reserve()
             if place is not None:
                 places.append((place, shared.fingerprints_wanted()))
             return place is not None

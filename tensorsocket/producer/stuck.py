@@ -38,14 +38,17 @@ class Stuck:
         self.since: float | None = None  # every place held, the window open, from then on
         self.said = False  # the memory was short for one more place: logged once a stretch
 
-    def place(self) -> int | None:
-        """After the flow found no place for the next batch: a new one, reserved, if every
-        place has been held for :data:`GROW_AFTER` seconds while every consumer waited for a
-        batch and the memory holds one more; else None (the producer waits on)."""
-        shared, now = self.shared, time.monotonic()
-        if not shared.flow.every_place_held():
+    def reserve(self) -> int | None:
+        """A place for the next batch (:meth:`Flow.reserve`); if the flow has none, a new one,
+        reserved, once every place has been held for :data:`GROW_AFTER` seconds while every
+        consumer waited for a batch and the memory holds one more; else None (the producer
+        waits on)."""
+        shared = self.shared
+        place = shared.flow.reserve()  # (every batch: nothing else here runs then)
+        if place is not None or not shared.flow.every_place_held():
             self.since, self.said = None, False
-            return None
+            return place
+        now = time.monotonic()
         if self.since is None:
             self.since = now
         if now - self.since < GROW_AFTER or not self._all_waiting(now):
