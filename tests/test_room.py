@@ -29,8 +29,8 @@ from tests.support import SPAWN
 
 
 def consume(name, options, started, out):
-    if options.get("label") != "leader":  # half a second (or "after" s) after the leader's first batch
-        started.wait(60)
+    if options.get("label") != "leader" and not options.pop("before", False):
+        started.wait(60)  # half a second (or "after" s) after the leader's first batch
         time.sleep(options.pop("after", 0.5))
     try:
         with Consumer(name=name, timeout=30, **options) as consumer:
@@ -118,6 +118,22 @@ def test_a_group_whose_places_do_not_fit_is_refused_and_the_stream_goes_on(tmp_p
         assert error.startswith("Refused:"), error
         assert "group 'g': its 2 ranks need 6 more places of 12.0 MiB (3 a rank): 72 MiB" in error, error
         assert "/dev/shm has 40 MiB free (room for 3)" in error and "--shm-size" in error, error
+
+
+def test_a_group_formed_before_the_first_batch_is_counted_in_its_check(tmp_path, name):
+    """The 2 ranks join before the first batch (min_consumers=3 waits for them), so no batch
+    size is known at their join: the first batch's check counts the group's 6 places beside
+    the 2 slots, 96 MiB of 12 MiB places in 64. Fewer slots cannot help (the group's places
+    alone do not fit), and the error does not suggest it."""
+    late = [r | {"before": True} for r in _ranks(2)]
+    report, out = _run(tmp_path, name, slots=2, mib=12, late=late, replay=0, min_consumers=3)
+    error = report.get("producer_error", "")
+    assert "need 8 x 12.0 MiB = 96 MiB for slots=2 and the 6 places of group(s) 'g'" in error, out[-3000:]
+    assert "/dev/shm has 64 MiB free: make batches smaller, run fewer ranks, or" in error, error
+    assert "lower slots=" not in error, error
+    for label in ("leader", "rank0", "rank1"):  # each is told why the stream ended
+        told = report["consumers"][label]["error"]
+        assert told.startswith("ProducerLost:") and "96 MiB" in told, told
 
 
 def test_a_group_is_counted_at_the_size_batches_grew_to(tmp_path, name):

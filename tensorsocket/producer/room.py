@@ -35,15 +35,22 @@ def check_window_fits(shared: Shared, nbytes: int) -> Room | None:
     window = shared.flow.place_count
     if room is not None and room.fits < window:
         slots, size = shared.config.slots, room.arena_bytes
-        groups = [g.name for g in shared.flow.groups() if g.started]
+        groups = [g for g in shared.flow.groups() if g.started]  # (formed before the first batch)
         why = f"slots={slots}" + (
-            f" and the places of group(s) {', '.join(map(repr, groups))}" if groups else ""
+            f" and the {window - slots} places of group(s) {', '.join(repr(g.name) for g in groups)}"
+            if groups
+            else ""
         )
+        # Slots that would fit beside the groups' places; a group needs at least its size.
+        fit = room.fits - (window - slots)
+        least = max((g.size for g in groups), default=1)
+        lower = f"lower slots= (at most {fit} fit), " if fit >= least else ""
+        fewer = "run fewer ranks, " if groups else ""
         raise OSError(
             errno.ENOSPC,
             f"batches of {nbytes} bytes need {window} x {size / MIB:.1f} MiB = {window * size / MIB:.0f} MiB "
-            f"for {why}, but {room.where} has {room.free_bytes / MIB:.0f} MiB free: lower slots= "
-            f"(at most {room.fits * slots // window} fit), make batches smaller, or {room.remedy}",
+            f"for {why}, but {room.where} has {room.free_bytes / MIB:.0f} MiB free: {lower}"
+            f"make batches smaller, {fewer}or {room.remedy}",
         )
     return room
 
