@@ -440,19 +440,44 @@ class FlowMachine(RuleBasedStateMachine):
                 self._check_stall_justified()
                 return
             self._check_reserved(place)
-            self.memory[place] = self.next_seq  # the producer writes the batch, then publishes
-            if keep:
-                self.kept.append(self.next_seq)
-            while len(self.kept) > keep and not (
-                self._owed(self.kept[0]) and not self._resident(self.kept[0])
-            ):
-                self.kept.pop(0)
-            entry = self._append(BATCH, place, batch_payload(self.next_seq))
-            out = self.flow.publish(place, entry.payload, keep)
-            assert self.flow.kept_from() == (self.kept[0] if self.kept else self.next_seq)
-            assert self.flow.next_seq == self.next_seq
-            self._handle(out)
-            check_invariants(self.flow)
+            self._write_and_publish(place, keep)
+
+    def _write_and_publish(self, place: int, keep: int) -> None:
+        """The producer writes the next batch into the ``place`` it reserved, then publishes it."""
+        assert self.flow is not None
+        self.memory[place] = self.next_seq
+        if keep:
+            self.kept.append(self.next_seq)
+        while len(self.kept) > keep and not (self._owed(self.kept[0]) and not self._resident(self.kept[0])):
+            self.kept.pop(0)
+        entry = self._append(BATCH, place, batch_payload(self.next_seq))
+        out = self.flow.publish(place, entry.payload, keep)
+        assert self.flow.kept_from() == (self.kept[0] if self.kept else self.next_seq)
+        assert self.flow.next_seq == self.next_seq
+        self._handle(out)
+        check_invariants(self.flow)
+
+    @rule()
+    def grow_for_next(self) -> None:
+        """What ``producer/stuck.py`` asks once every consumer waited a while with the places
+        all held: a new place for the next batch, only while the window is open and every
+        place holds a batch some consumer holds (else nothing, and the places stay)."""
+        assert self.flow is not None
+        all_held = all(
+            not self._free(i) and any(m.held.get(self.memory[i]) == i for m in self.consumers.values())
+            for i in range(self.k)
+        )
+        expected = not self.ended and not self._window_blocked_by() and all_held
+        assert self.flow.every_place_held() == expected, (expected, all_held, self._window_blocked_by())
+        place = self.flow.grow_for_next()
+        if place is None:
+            assert not expected
+            return
+        assert expected and place == self.k, place
+        self.k += 1
+        event("grow_for_next: a place added")
+        self._check_reserved(place)
+        self._write_and_publish(place, self.keep)
 
     @rule()
     def reserve_then_cancel(self) -> None:
