@@ -115,7 +115,7 @@ class CallerTurns:
         None: this thread may not read now (the I/O thread reads; wait on the queue instead).
         True: a message was read or is waiting (look at the queue again). False: TICK passed."""
         shared, inbox = self.shared, self.inbox
-        if not shared.link_lock.acquire(timeout=TICK):
+        if not _lock(shared.link_lock):
             return None  # the I/O thread is busy for a while (joining a successor, say)
         try:
             if not inbox.caller_may_read():
@@ -146,7 +146,7 @@ class CallerTurns:
         if shared.released:  # none may wait with us: a group's ranks each hold other places
             if self._quick and yielding.poll(self._poll, _HELD_MS):
                 return True  # batches come back to back: these go with the next ones
-            if not shared.link_lock.acquire(timeout=TICK):
+            if not _lock(shared.link_lock):
                 return None
             try:
                 if inbox.caller_may_read():
@@ -189,3 +189,17 @@ class CallerTurns:
             raise exc
         log.error("%s", why, exc_info=exc)
         return False
+
+
+def _lock(lock: threading.RLock) -> bool:
+    """``lock.acquire(timeout=TICK)``, never left held by an interrupt. Ctrl-C lands in this
+    thread, and Python raises it as a call returns: right after acquire() took the lock, before
+    the caller's ``try`` began, it left the lock held for ever (the I/O thread then waited for it,
+    so the producer evicted us, and next() waited past every timeout). Hence an RLock: it knows
+    whether this thread holds it."""
+    try:
+        return lock.acquire(timeout=TICK)
+    except BaseException:
+        if lock._is_owned():  # type: ignore[attr-defined]
+            lock.release()
+        raise

@@ -104,7 +104,7 @@ class Shared:
     wait_started: float | None = None  # inside next() since then: a wait in progress counts
     ready: list[Any] | None = None
     missed: int = 0  # batches lost at rejoins (the I/O thread counts; Consumer.missed adds them)
-    link_lock: threading.Lock = field(default_factory=threading.Lock)
+    link_lock: threading.RLock = field(default_factory=threading.RLock)  # (an RLock: see caller_turn._lock)
     caller_inside: bool = False
     io_sleeping: Sleeping = field(default_factory=Sleeping)
 

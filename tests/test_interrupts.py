@@ -1,0 +1,80 @@
+"""Ctrl-C in a consumer's own thread: a KeyboardInterrupt the caller catches leaves the consumer
+usable (or ends its stream with a clear error), never holding a lock its I/O thread needs, and
+never without a batch it was sent."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from tensorsocket import Consumer, Producer
+from tests.support import NestedLoader, expected_batch, same, serving
+
+
+class InterruptedAcquire:
+    """The consumer's link lock, but once armed, the next timed ``acquire()`` (the caller's
+    thread's: the I/O thread takes it with ``with``) raises KeyboardInterrupt just after it
+    took the lock: where Ctrl-C lands when its signal arrives as ``acquire()`` returns (Python
+    raises it at the call's end, before the caller's next line)."""
+
+    def __init__(self, lock: Any) -> None:
+        self.lock, self.armed, self.fired = lock, False, 0
+
+    def acquire(self, *args: Any, **kwargs: Any) -> bool:
+        got = self.lock.acquire(*args, **kwargs)
+        if got and self.armed:
+            self.armed = False
+            self.fired += 1
+            raise KeyboardInterrupt
+        return got
+
+    def release(self) -> None:
+        self.lock.release()
+
+    def __enter__(self) -> bool:
+        return self.lock.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.lock.__exit__(*exc)
+
+    def __getattr__(self, name: str) -> Any:  # (_is_owned, locked)
+        return getattr(self.lock, name)
+
+
+def test_ctrl_c_as_the_callers_thread_takes_the_link_lock_does_not_leave_it_held(name):
+    """Before: the lock stayed held by the caller's thread, so its I/O thread waited for it for
+    ever (no heartbeat: the producer evicted the consumer after its timeout) and next() waited
+    for ever too, past every timeout. After: the caller catches the interrupt and goes on."""
+    batches = 30
+    producer = Producer(NestedLoader(batches), name=name, slots=2, replay=0)
+    outcome: dict[str, Any] = {}
+
+    def trainer() -> None:
+        try:
+            with Consumer(name=name, timeout=3) as consumer:
+                lock = consumer._shared.link_lock = InterruptedAcquire(consumer._shared.link_lock)
+                got, interrupted, it = [], 0, iter(consumer)
+                while True:
+                    try:
+                        for batch in it:
+                            got.append(same(batch, expected_batch(len(got), batches)))
+                            del batch
+                            if len(got) in (5, 15):
+                                lock.armed = True
+                        break
+                    except KeyboardInterrupt:
+                        interrupted += 1
+                outcome.update(got=got, interrupted=interrupted, fired=lock.fired)
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    with serving(producer, epochs=1) as (thread, errors):
+        worker = threading.Thread(target=trainer, name="trainer", daemon=True)
+        worker.start()
+        worker.join(timeout=30)
+        assert not worker.is_alive(), "next() hung after a Ctrl-C it caught"
+        thread.join(timeout=30)
+    assert errors == []
+    assert "error" not in outcome, outcome
+    assert outcome["fired"] == outcome["interrupted"] >= 1
+    assert outcome["got"] == [True] * batches
