@@ -7,7 +7,10 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from tensorsocket import Consumer, Producer
+import pytest
+
+from tensorsocket import Consumer, Producer, ProducerLost
+from tensorsocket.consumer import link
 from tests.support import NestedLoader, expected_batch, same, serving
 
 
@@ -78,3 +81,42 @@ def test_ctrl_c_as_the_callers_thread_takes_the_link_lock_does_not_leave_it_held
     assert "error" not in outcome, outcome
     assert outcome["fired"] == outcome["interrupted"] >= 1
     assert outcome["got"] == [True] * batches
+
+
+def test_ctrl_c_as_the_callers_thread_reads_a_batch_never_skips_it(name, monkeypatch):
+    """The caller's thread reads its session while it waits in next(). Ctrl-C whose signal came
+    as a datagram was read is raised as recv() returns, with the datagram read: before, that
+    batch was gone and the next next() gave the one after it, as if nothing had happened.
+    After: as for an interrupt while it handles the batch, the stream ends with ProducerLost
+    (this consumer can no longer be exact), never with a batch missing."""
+    batches = 40
+    recv = link.Link.recv
+    armed = [False]
+
+    def interrupted(self: link.Link) -> bytes | None:
+        frame = recv(self)
+        if frame is not None and armed[0] and threading.current_thread().name != "tensorsocket-consumer-io":
+            armed[0] = False
+            raise KeyboardInterrupt  # (the frame is read)
+        return frame
+
+    monkeypatch.setattr(link.Link, "recv", interrupted)
+    producer = Producer(NestedLoader(batches, delay=0.01), name=name, slots=2, replay=0)
+    with serving(producer, epochs=1) as (thread, errors):
+        with Consumer(name=name, timeout=30) as consumer:
+            seen, interrupts, it = [], 0, iter(consumer)
+            with pytest.raises(ProducerLost, match="failed while it read: KeyboardInterrupt"):
+                while True:
+                    try:
+                        for batch in it:
+                            assert same(batch, expected_batch(len(seen), batches)), f"batch {len(seen)}"
+                            seen.append(len(seen))
+                            del batch
+                            if len(seen) == 10:  # (the first ones come over ZeroMQ)
+                                armed[0] = True
+                        break
+                    except KeyboardInterrupt:
+                        interrupts += 1
+            assert interrupts == 1
+            assert 10 <= len(seen) < batches
+    assert errors == []

@@ -127,12 +127,13 @@ class CallerTurns:
                 len(released) > _HOLD_RELEASES or shared.io_sleeping.wants(shared.live, released)
             ):
                 self._guarded(inbox.send_releases)
-            frame = inbox.link.recv()
+            try:  # (what _guarded does, a call less a batch; the read too: Ctrl-C as the
+                # datagram came, raised as recv() returned, lost that batch without a word)
+                frame = inbox.link.recv()
+                handled = frame is None or inbox.handle(frame)
+            except BaseException as exc:
+                frame, handled = b"", self._failed(exc)
             if frame is not None:
-                try:  # (what _guarded does, a call less a batch)
-                    handled = inbox.handle(frame)
-                except BaseException as exc:
-                    handled = self._failed(exc)
                 if not handled:
                     inbox.over = True  # (EVICTED, say: the I/O thread stops at its next turn)
                 return True
