@@ -18,6 +18,9 @@ producer may be waiting for it (:meth:`~tensorsocket.consumer.shared.Sleeping.wa
 
 from __future__ import annotations
 
+import collections
+import functools
+import itertools
 import logging
 import queue
 import select
@@ -56,13 +59,19 @@ class CallerTurns:
         self._fd = -1
         self._poll = select.poll()
         self._quick = False  # the last wait for a message took under _QUICK
+        # Queue items are taken into ``held`` by C code alone (see _pull), whence this thread
+        # takes them without a call: Ctrl-C is raised as a call returns, so one raised as
+        # queue.get() returned a batch dropped it, and the next next() gave the batch after it.
+        self.held: collections.deque[tuple[str, Any]] = collections.deque()
+        self._now = iter(shared.queue.get_nowait, None)  # (an item is never None)
+        self._tick = iter(functools.partial(shared.queue.get, timeout=TICK), None)
 
     def take(self, check: Callable[[], None]) -> tuple[str, Any]:
         """Block for the next queue item (reading the link for it when this thread may), with
         the checks that make a wait finite: every TICK, that the I/O thread is alive, and
         ``check()`` (that this consumer is not waiting for a batch it can never get)."""
         shared = self.shared
-        item = None if shared.queue.empty() else self._queued()  # (asked here: a call less)
+        item = None if not self.held and shared.queue.empty() else self._queued()  # (a call less)
         if item is not None:  # read ahead: if the I/O thread went to sleep long, it reads on
             sleeping = shared.io_sleeping
             if sleeping.long and sleeping.now and not sleeping.reading:
@@ -82,18 +91,16 @@ class CallerTurns:
             if item is not None:
                 return item
             if turned is None:
-                try:
-                    return shared.queue.get(timeout=TICK)
-                except queue.Empty:
-                    pass
+                item = self._pull(self._tick)
+                if item is not None:
+                    return item
             elif turned and time.monotonic() - checked < TICK:
                 continue
             checked = time.monotonic()
             if not self.io.is_alive():
-                try:  # what it queued just before it stopped (the reason) comes first
-                    return shared.queue.get_nowait()
-                except queue.Empty:
-                    pass
+                item = self._pull(self._now)  # what it queued just before it stopped (the reason) first
+                if item is not None:
+                    return item
                 if shared.stop.is_set():
                     raise Closed(f"consumer of {self.endpoint} is closed")
                 raise ProducerLost(f"the consumer's I/O thread for {self.endpoint} stopped")
@@ -102,13 +109,23 @@ class CallerTurns:
     def _queued(self) -> tuple[str, Any] | None:
         """The next queue item, None if there is none (an item is never None). The queue is
         asked first: raising queue.Empty for every batch cost more than asking."""
-        waiting = self.shared.queue
-        if waiting.empty():
+        if not self.held and self.shared.queue.empty():
             return None
-        try:
-            return waiting.get_nowait()
-        except queue.Empty:  # close() from another thread took it meanwhile
-            return None
+        return self._pull(self._now)
+
+    def _pull(self, source: Any) -> tuple[str, Any] | None:
+        """The next item (``source``: ``_now`` or ``_tick``, which waits a TICK), None if none
+        came. deque.extend() runs the get in C, so an interrupt is raised only once the item is
+        in ``held``: the next call returns it."""
+        held = self.held
+        if not held:
+            try:
+                held.extend(itertools.islice(source, 1))
+            except queue.Empty:  # (or close() from another thread took it meanwhile)
+                return None
+        item = held[0]
+        del held[0]  # (no call: nothing can be raised between taking it and returning it)
+        return item
 
     def turn(self) -> bool | None:
         """Wait at most about TICK for the producer's next message, reading it in this thread.

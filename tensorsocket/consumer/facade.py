@@ -316,6 +316,7 @@ class Consumer:
                 shared.queue.get_nowait()
             except queue.Empty:
                 break
+        self._batches.turns.held.clear()
         self._conn.reader.close()
 
     def __enter__(self) -> Consumer:
