@@ -114,3 +114,28 @@ def test_skipping_stragglers_and_zip_over_a_slow_loader_are_left_alone(name: str
                 assert same(x, expected_batch(i, 6)) and same(y, expected_batch(i, 6))
                 count += 1
             assert count == 6
+
+
+@pytest.mark.parametrize("session", ["1", "0"], ids=["session", "zeromq"])
+def test_one_consumer_iterated_by_two_threads_at_once_is_refused(
+    name: str, session: str, monkeypatch
+) -> None:
+    """A consumer, like a DataLoader iterator, is iterated by one thread at a time. Before, a
+    second thread in next() got "concurrent poll() invocation" on a session, and over ZeroMQ
+    the two threads silently split the batches. Now the second one is told; the first goes on
+    with every batch, and an iterator handed on between threads afterwards is still fine."""
+    monkeypatch.setenv("TENSORSOCKET_SESSION", session)  # (read by the producer)
+    producer = Producer(NestedLoader(6, delay=2.0), name=name, slots=2, replay=0)
+    with serving(producer, 1), Consumer(name=name, label="shared", timeout=30) as consumer:
+        it = iter(consumer)
+        got = [same(next(it), expected_batch(0, 6))]  # (the next batch is then ~2 s away)
+        waiting = threading.Thread(
+            target=lambda: got.append(same(next(it), expected_batch(1, 6))), daemon=True
+        )
+        waiting.start()
+        time.sleep(0.5)  # it waits in next() now
+        with pytest.raises(RuntimeError, match="consumer 'shared' is in next\\(\\) in another thread"):
+            next(it)
+        join_or_fail(waiting, 30)
+        got += [same(b, expected_batch(i, 6)) for i, b in enumerate(it, start=2)]  # handed back: fine
+        assert got == [True] * 6, got

@@ -46,6 +46,7 @@ class Batches:
         # For siblings: the producer waits for the slowest (stragglers="stall"), the thread that
         # made this consumer and the last to iterate it, its last batch's seq, and a warning given
         self.stall, self.made_in, self.thread = stall, threading.get_ident(), None
+        self.inside: int | None = None  # the thread in next() now (one at a time)
         self.taken_seq, self.warned = -1, False
         siblings.register(self)
         self.turns = CallerTurns(shared, inbox, io, settings.endpoint)
@@ -94,8 +95,10 @@ class Batches:
 
     def next_for_user(self) -> Any:
         """The next batch in this consumer's batch size; StopIteration at the epoch's end."""
-        shared = self.shared
-        self.thread = threading.get_ident()  # (siblings: the thread that iterates, once it does)
+        shared, me = self.shared, threading.get_ident()
+        if self.inside is not None and self.inside != me:  # (two at once: batches split, or poll() fails)
+            raise _in_another_thread(self.settings.label)
+        self.thread = self.inside = me  # (siblings: the thread that iterates, once it does)
         batch = self._waited(self.next_batch if self.rebatcher is None else self._next_rebatched)
         shared.taken_batches += 1
         shared.taken_samples += self.samples or 0
@@ -110,7 +113,7 @@ class Batches:
             return get()
         finally:
             shared.waiting += time.monotonic() - t0
-            shared.wait_started = None
+            shared.wait_started = self.inside = None
 
     def _skip_rest(self) -> None:
         """The rest of an epoch whose loop was left early: received and let go."""
@@ -249,13 +252,11 @@ class Batches:
             if self.first_batch:
                 self.first_batch = False
                 if index >= self.group_size and not self.resume_checked:  # (a restored one said where it is)
+                    label, late_join = self.settings.label, self.settings.late_join
                     log.warning(
                         "consumer %r joined epoch %d at its batch %d (late_join=%r): this first epoch is partial",
-                        self.settings.label,
-                        epoch,
-                        index,
-                        self.settings.late_join,
-                    )
+                        *(label, epoch, index, late_join),
+                    )  # fmt: skip
             return batch
         self.mid_epoch = False
         if kind == EPOCH_END:
@@ -325,6 +326,13 @@ class Batches:
             first, more = (message, more) if first is None else (first, more + 1)
         if first is not None:
             raise BatchModified(first if not more else f"{first} ({more} more changed since: see the log)")
+
+
+def _in_another_thread(label: str) -> RuntimeError:
+    return RuntimeError(
+        f"consumer {label!r} is in next() in another thread: a consumer is iterated by one thread "
+        "at a time, as a DataLoader iterator is; give each thread a Consumer of its own"
+    )
 
 
 def _check_hoarding(batches: Batches) -> None:
