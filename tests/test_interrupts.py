@@ -5,13 +5,14 @@ never without a batch it was sent."""
 from __future__ import annotations
 
 import _thread
+import sys
 import threading
 from typing import Any
 
 import pytest
 
 from tensorsocket import Consumer, Producer, ProducerLost, protocol
-from tensorsocket.consumer import inbox, link
+from tensorsocket.consumer import delivery, inbox, link
 from tensorsocket.protocol import Kind
 from tests.support import NestedLoader, expected_batch, same, serving
 
@@ -160,4 +161,60 @@ def test_ctrl_c_as_a_batch_is_taken_from_the_io_threads_queue_never_skips_it(nam
                     interrupts += 1
             assert interrupts == 2
             assert seen == list(range(batches))
+    assert errors == []
+
+
+class _RaisingOnce(set):
+    """The consumer's set of held seqs, whose ``discard`` raises KeyboardInterrupt once armed,
+    after discarding: where Ctrl-C lands when its signal came as discard() ran in a batch's
+    finalizer (Python raises it as the call returns)."""
+
+    armed = False
+
+    def discard(self, seq: Any) -> None:
+        super().discard(seq)
+        if self.armed:
+            type(self).armed = False
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("where", ["before-the-release", "after-the-release"])
+def test_ctrl_c_in_a_batchs_finalizer_reaches_the_caller_and_loses_no_release(name, monkeypatch, where):
+    """A batch's finalizer runs where its last view is dropped: in a ``for`` loop, as the loop
+    variable takes the next batch, in the main thread, where Ctrl-C lands. Python only prints
+    an exception raised in a weak reference's callback. Before: the user's Ctrl-C did nothing
+    (printed "Exception ignored"), and one that landed before the release was queued (as
+    ``id()`` returned) lost the release: the consumer and the producer counted that batch as
+    held for ever. After: the release goes, and the KeyboardInterrupt reaches the loop."""
+    batches = 12
+    armed = [False]
+    if where == "before-the-release":
+
+        def interrupted_id(obj: Any) -> int:
+            if armed[0] and sys._getframe(1).f_code.co_name == "fired":  # (build() asks it too)
+                armed[0] = False
+                raise KeyboardInterrupt
+            return id(obj)
+
+        monkeypatch.setattr(delivery, "id", interrupted_id, raising=False)
+    producer = Producer(NestedLoader(batches), name=name, slots=2, replay=0)
+    with serving(producer, epochs=1) as (thread, errors):
+        with Consumer(name=name, label="c", timeout=30) as consumer:
+            live = consumer._shared.live = consumer._batches.turns.inbox.releases.live = _RaisingOnce()
+            seen, interrupts, it = [], 0, iter(consumer)
+            while True:
+                try:
+                    for batch in it:
+                        assert same(batch, expected_batch(len(seen), batches)), f"batch {len(seen)}"
+                        seen.append(len(seen))
+                        if len(seen) == 4:  # batch 3's finalizer runs as the loop takes batch 4
+                            armed[0] = where == "before-the-release"
+                            _RaisingOnce.armed = where == "after-the-release"
+                    del batch
+                    break
+                except KeyboardInterrupt:
+                    interrupts += 1
+            assert interrupts == 1 and seen == list(range(batches))
+            assert not live, live  # every batch dropped was released (queued for the producer)
+            assert not [w for w, _ in delivery._WATCHING.values() if w() is None]
     assert errors == []

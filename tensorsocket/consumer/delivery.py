@@ -31,29 +31,54 @@ class Releases:
     Consumer is collected. Each batch's weak reference calls :meth:`fired` (a bound method:
     cheaper per batch than a partial binding all of these)."""
 
-    __slots__ = ("live", "released", "wakeup", "sleeping")
+    __slots__ = ("live", "released", "wakeup", "sleeping", "interrupted")
 
     def __init__(self, shared: Shared) -> None:
-        self.live, self.released, self.wakeup, self.sleeping = (
-            shared.live, shared.released, shared.wakeup, shared.io_sleeping
+        self.live, self.released, self.wakeup, self.sleeping, self.interrupted = (
+            shared.live, shared.released, shared.wakeup, shared.io_sleeping, shared.interrupted
         )  # fmt: skip
 
     def fired(self, watch: weakref.ref[Any]) -> None:
         """A batch's finalizer: runs in whichever thread dropped its last view. It must not
         touch the link. It wakes the I/O thread only for a release that must go now
         (:meth:`Sleeping.wants`): the rest go with the caller's thread's next read, or at the
-        I/O thread's next tick."""
-        _, item = _WATCHING.pop(id(watch))
-        self.live.discard(item[0])
-        reader = item[6]
-        if not reader.at_once:
-            reader.retire(item[1], functools.partial(self.ready, item))
-            return
-        # (what ready() does, without the calls: host memory is released at once, and each
-        # call on the per-batch path costs a few us from cold caches)
-        self.released.append(item)
-        if self.sleeping.now and self.sleeping.wants(self.live, self.released):
-            self.wakeup.wake()
+        I/O thread's next tick.
+
+        Ctrl-C lands in the main thread, often here (a loop's ``batch = ...`` drops the last
+        one), and Python raises it as a call returns. An exception in a weak reference's
+        callback is only printed, so the user's Ctrl-C would do nothing, and one raised before
+        the release was queued would have lost it (its place held for ever). So the entry is
+        taken and the release queued with no call between them, and an interrupt finishes the
+        release if it is not queued yet and is noted: the next ``next()`` raises it, before it
+        takes a batch (raised here again, it would be dropped again)."""
+        item = None  # (not taken while it is in _WATCHING)
+        try:
+            key = id(watch)
+            item = _WATCHING[key][1]
+            if not item[6].at_once:  # (GPU: an interrupt as retire() begins still loses it)
+                done = functools.partial(self.ready, item)
+                del _WATCHING[key]
+                item[6].retire(item[1], done)
+                self.live.discard(item[0])
+                return
+            del _WATCHING[key]  # (no call from here to the release queued: nothing raises)
+            # (what ready() does, without the calls: host memory is released at once, and each
+            # call on the per-batch path costs a few us from cold caches)
+            self.released.append(item)
+            self.live.discard(item[0])
+            if self.sleeping.now and self.sleeping.wants(self.live, self.released):
+                self.wakeup.wake()
+        except KeyboardInterrupt:
+            entry = _WATCHING.pop(id(watch), None)
+            if entry is not None:  # (not taken yet: nothing was done)
+                item = entry[1]
+                if item[6].at_once:
+                    self.ready(item)
+                else:
+                    item[6].retire(item[1], functools.partial(self.ready, item))
+            if item is not None:
+                self.live.discard(item[0])
+            self.interrupted.append(None)
 
     def ready(self, item: tuple[Any, ...]) -> None:
         """The reader says a retired batch's region may be released (in any thread)."""

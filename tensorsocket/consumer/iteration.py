@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import BatchModified, Hoarding, ProducerLost
+from ..errors import Hoarding, ProducerLost
 from ..rebatch import Rebatcher, batch_length
 from . import resume, siblings
 from .caller_turn import CallerTurns
@@ -220,8 +220,8 @@ class Batches:
         if self.error is not None:
             raise self.error
         shared = self.shared
-        if shared.violations:  # (asked here: each call on the per-batch path costs a few us)
-            self._check_violation()
+        if shared.violations or shared.interrupted:  # (asked here: a call costs a few us)
+            shared.raise_noted()
         kind, payload = self.turns.take(self._check_waiting)
         while kind in (SKIPPED, RESTARTED):
             if kind == SKIPPED:
@@ -317,15 +317,6 @@ class Batches:
         _check_hoarding(self)
         siblings.check(self)
         _warn_group_forming(self)
-
-    def _check_violation(self) -> None:
-        """Raise BatchModified for the first batch found changed (each is logged as found)."""
-        violations, first, more = self.shared.violations, None, 0
-        while violations:
-            message = violations.popleft()
-            first, more = (message, more) if first is None else (first, more + 1)
-        if first is not None:
-            raise BatchModified(first if not more else f"{first} ({more} more changed since: see the log)")
 
 
 def _in_another_thread(label: str) -> RuntimeError:

@@ -9,6 +9,9 @@ one writer (or a thread-safe container), as listed here.
   hand-out; finalizers discard, in any thread (set.add / discard / len are atomic under the GIL).
 * ``violations`` (deque): the I/O thread appends a message when a batch changed while held;
   the caller's thread pops it and raises BatchModified.
+* ``interrupted`` (deque): a batch's finalizer appends when Ctrl-C landed in it (Python only
+  prints an exception raised there); the caller's next ``next()`` pops it and raises
+  KeyboardInterrupt before it takes anything.
 * ``cut_off``, ``stream_over``, ``io_tick``, ``missed``: the I/O thread only; the caller's
   thread reads.
 * ``synced`` (Event): the I/O thread clears it after a freeze and sets it at the answer.
@@ -34,6 +37,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import BatchModified
 from ..wakeup import Wakeup
 
 TICK = 0.05  # seconds: the longest any wait goes without re-checking why it waits
@@ -90,6 +94,7 @@ class Shared:
     queue: queue.SimpleQueue[tuple[str, Any]] = field(default_factory=queue.SimpleQueue)
     released: collections.deque[tuple[Any, ...]] = field(default_factory=collections.deque)
     live: set[int] = field(default_factory=set)
+    interrupted: collections.deque[None] = field(default_factory=collections.deque)
     violations: collections.deque[str] = field(default_factory=collections.deque)
     wakeup: Wakeup = field(default_factory=Wakeup)
     stop: threading.Event = field(default_factory=threading.Event)
@@ -110,6 +115,19 @@ class Shared:
 
     def __post_init__(self) -> None:
         self.synced.set()
+
+    def raise_noted(self) -> None:
+        """The caller's thread, in next(): raise the KeyboardInterrupt a batch's finalizer
+        caught, or BatchModified for the first batch found changed (each logged as found)."""
+        if self.interrupted:
+            self.interrupted.clear()
+            raise KeyboardInterrupt
+        violations, first, more = self.violations, None, 0
+        while violations:
+            message = violations.popleft()
+            first, more = (message, more) if first is None else (first, more + 1)
+        if first is not None:
+            raise BatchModified(first if not more else f"{first} ({more} more changed since: see the log)")
 
     def fail(self, exc: Exception) -> None:
         """The I/O thread ends this consumer's stream with ``exc`` (raised by next())."""
