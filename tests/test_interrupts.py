@@ -47,6 +47,21 @@ class InterruptedAcquire:
         return getattr(self.lock, name)
 
 
+def _through_interrupts(it: Any, batches: int, seen: list[int], interrupts: list[int], after: Any) -> None:
+    """Iterate ``it`` to its end as a program that catches Ctrl-C and goes on does (a notebook
+    cell run again), each batch checked and counted into ``seen``, ``after(len(seen))`` with
+    the batch still bound (as a loop's variable is); each KeyboardInterrupt into ``interrupts``."""
+    while True:
+        try:
+            for batch in it:
+                assert same(batch, expected_batch(len(seen), batches)), f"batch {len(seen)}"
+                seen.append(len(seen))
+                after(len(seen))
+            return
+        except KeyboardInterrupt:
+            interrupts.append(1)  # (not the exception: its traceback's frames hold batches)
+
+
 def test_ctrl_c_as_the_callers_thread_takes_the_link_lock_does_not_leave_it_held(name):
     """Before: the lock stayed held by the caller's thread, so its I/O thread waited for it for
     ever (no heartbeat: the producer evicted the consumer after its timeout) and next() waited
@@ -107,20 +122,14 @@ def test_ctrl_c_as_the_callers_thread_reads_a_batch_never_skips_it(name, monkeyp
     producer = Producer(NestedLoader(batches, delay=0.01), name=name, slots=2, replay=0)
     with serving(producer, epochs=1) as (thread, errors):
         with Consumer(name=name, timeout=30) as consumer:
-            seen, interrupts, it = [], 0, iter(consumer)
+            seen, interrupts = [], []
+
+            def arm(count: int) -> None:
+                armed[0] = armed[0] or count == 10  # (the first ones come over ZeroMQ)
+
             with pytest.raises(ProducerLost, match="failed while it read: KeyboardInterrupt"):
-                while True:
-                    try:
-                        for batch in it:
-                            assert same(batch, expected_batch(len(seen), batches)), f"batch {len(seen)}"
-                            seen.append(len(seen))
-                            del batch
-                            if len(seen) == 10:  # (the first ones come over ZeroMQ)
-                                armed[0] = True
-                        break
-                    except KeyboardInterrupt:
-                        interrupts += 1
-            assert interrupts == 1
+                _through_interrupts(iter(consumer), batches, seen, interrupts, arm)
+            assert len(interrupts) == 1
             assert 10 <= len(seen) < batches
     assert errors == []
 
@@ -147,19 +156,14 @@ def test_ctrl_c_as_a_batch_is_taken_from_the_io_threads_queue_never_skips_it(nam
     producer = Producer(NestedLoader(batches, delay=0.05), name=name, slots=2, replay=0)
     with serving(producer, epochs=1) as (thread, errors):
         with Consumer(name=name, timeout=30) as consumer:
-            seen, interrupts, it = [], 0, iter(consumer)
-            while True:
-                try:
-                    for batch in it:
-                        assert same(batch, expected_batch(len(seen), batches)), f"batch {len(seen)}"
-                        seen.append(len(seen))
-                        del batch
-                        if len(seen) in (5, 15):
-                            armed[0] = 1
-                    break
-                except KeyboardInterrupt:
-                    interrupts += 1
-            assert interrupts == 2
+            seen: list[int] = []
+            interrupts: list[int] = []
+
+            def arm(count: int) -> None:
+                armed[0] = 1 if count in (5, 15) else armed[0]
+
+            _through_interrupts(iter(consumer), batches, seen, interrupts, arm)
+            assert len(interrupts) == 2
             assert seen == list(range(batches))
     assert errors == []
 
@@ -201,20 +205,16 @@ def test_ctrl_c_in_a_batchs_finalizer_reaches_the_caller_and_loses_no_release(na
     with serving(producer, epochs=1) as (thread, errors):
         with Consumer(name=name, label="c", timeout=30) as consumer:
             live = consumer._shared.live = consumer._batches.turns.inbox.releases.live = _RaisingOnce()
-            seen, interrupts, it = [], 0, iter(consumer)
-            while True:
-                try:
-                    for batch in it:
-                        assert same(batch, expected_batch(len(seen), batches)), f"batch {len(seen)}"
-                        seen.append(len(seen))
-                        if len(seen) == 4:  # batch 3's finalizer runs as the loop takes batch 4
-                            armed[0] = where == "before-the-release"
-                            _RaisingOnce.armed = where == "after-the-release"
-                    del batch
-                    break
-                except KeyboardInterrupt:
-                    interrupts += 1
-            assert interrupts == 1 and seen == list(range(batches))
+            seen: list[int] = []
+            interrupts: list[int] = []
+
+            def arm(count: int) -> None:
+                if count == 4:  # batch 3's finalizer runs as the loop takes batch 4
+                    armed[0] = where == "before-the-release"
+                    _RaisingOnce.armed = where == "after-the-release"
+
+            _through_interrupts(iter(consumer), batches, seen, interrupts, arm)
+            assert len(interrupts) == 1 and seen == list(range(batches))
             assert not live, live  # every batch dropped was released (queued for the producer)
             assert not [w for w, _ in delivery._WATCHING.values() if w() is None]
     assert errors == []
