@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from tensorsocket import Consumer, Producer, ProducerLost, StateFileError, endpoint
+from tensorsocket import Consumer, Producer, ProducerLost, StateFileError, TensorSocketError, endpoint
 from tensorsocket.producer import restart
 from tests import restart_pipeline
 from tests.support import SPAWN, shm_segments, wait_until
@@ -245,6 +245,68 @@ def test_a_joiner_replaying_when_the_producer_dies_gets_every_batch_from_the_suc
         lambda: state.exists() and restart.read(state).point.index >= 3, 30, "the leader to be 3 batches in"
     )
     _join_then_resume(name, tmp_path, first, leader, out, die)
+
+
+def _consume_slowly(name: str, out: Any) -> None:
+    """A trainer whose first batches take 0.2 s each (the next ones wait in its queue), with a
+    timeout of 2 s: every epoch's samples, or what it raised."""
+    seen: list[list[Any]] = []
+    try:
+        with Consumer(name=name, timeout=2.0, reconnect=60.0) as consumer:
+            while not consumer.finished:
+                epoch = []
+                for ids, noise in consumer:
+                    epoch += [(int(i), n.tolist()) for i, n in zip(ids, noise, strict=True)]
+                    if len(epoch) <= 6 * ROWS:
+                        time.sleep(0.2)
+                if epoch or not consumer.finished:
+                    seen.append(epoch)
+    except TensorSocketError as exc:
+        out.put({"error": f"{type(exc).__name__}: {exc}", "seen": seen})
+        return
+    out.put({"seen": seen})
+
+
+def test_a_consumer_frozen_while_its_producer_died_goes_on_with_its_successor(name, tmp_path):
+    """A trainer stopped (SIGSTOP) for over half its timeout asks its producer, once it runs
+    again, whether it was evicted meanwhile, and takes no batch it queued before it has the
+    answer. Here that producer died while the trainer was stopped: it never answers, and the
+    trainer must take its queued batches while it waits for a successor, and then the
+    successor's. Before, it raised ProducerLost ("did not answer after this process was
+    frozen") at its next batch, whether it had rejoined the successor by then or not."""
+    expected = restart_pipeline.uninterrupted(restart_pipeline.seeded(), EPOCHS)
+    die, out = SPAWN.Event(), SPAWN.Queue()
+    first = SPAWN.Process(target=_publish_then_die, args=(name, 6, die))
+    first.start()
+    trainer = SPAWN.Process(target=_consume_slowly, args=(name, out))
+    trainer.start()
+    state = restart.state_path(f"ipc://{restart_pipeline_socket(name)}")
+    wait_until(
+        lambda: state.exists() and restart.read(state).point.index >= 4,
+        60,
+        "the trainer to receive 4 batches",
+    )
+    time.sleep(0.5)  # it reads the last two ahead (their places mapped: a sweep cannot take them)
+    os.kill(trainer.pid, signal.SIGSTOP)
+    try:
+        die.set()
+        first.join(timeout=60)
+        assert first.exitcode == -signal.SIGKILL
+        time.sleep(1.5)  # over half its timeout: its I/O thread notices the freeze
+    finally:
+        os.kill(trainer.pid, signal.SIGCONT)
+    log = tmp_path / "producer.log"
+    second = _serve(name, "seeded", log)
+    try:
+        result = out.get(timeout=90)
+        assert "error" not in result, result["error"]
+        assert second.wait(timeout=30) == 0, log.read_text()[-3000:]
+    finally:
+        if second.poll() is None:
+            second.kill()
+            second.wait()
+        trainer.join(timeout=30)
+    assert result["seen"] == expected, _first_difference(result["seen"], expected)
 
 
 def _die_after_a_stale_write(name: str, blocked: Any, go: Any) -> None:

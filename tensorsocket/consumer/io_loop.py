@@ -188,12 +188,12 @@ class ConsumerIo(Inbox):
             if not self.receive():  # what it sent before it ended comes first (END, say)
                 return False
             if not shared.stream_over:
-                return self._lost(f"the producer at {self.endpoint} (pid {self.producer_pid}) died", clock)
+                return self._lost(self._died(), clock, dead=True)
         # Closed under us (read here or by the caller's thread): it died (while its pid still
         # looks alive as it exits, or it cut us off without a word, the pid and silence checks
         # below decide, as before sessions).
         if self.link.closed and not shared.stream_over and not pid_alive(self.producer_pid):
-            return self._lost(f"the producer at {self.endpoint} (pid {self.producer_pid}) died", clock)
+            return self._lost(self._died(), clock, dead=True)
         if shared.wakeup.fd in events:
             shared.wakeup.drain()
         if self.send_releases():
@@ -222,12 +222,15 @@ class ConsumerIo(Inbox):
             # of a consumer's CPU with small batches (py-spy).
             clock.last_alive = now
             if not pid_alive(self.producer_pid):
-                return self._lost(f"the producer at {self.endpoint} (pid {self.producer_pid}) died", clock)
+                return self._lost(self._died(), clock, dead=True)
         if now - self.last_seen > timeout:
             why = f"no message from the producer at {self.endpoint} for {timeout:g} s"
             note = stopped(self.producer_pid) if self.producer_local else ""  # alive, so say why
-            return self._lost(f"{why}: {note}" if note else why, clock)
+            return self._lost(f"{why}: {note}" if note else why, clock, dead=False)
         return True
+
+    def _died(self) -> str:
+        return f"the producer at {self.endpoint} (pid {self.producer_pid}) died"
 
     def _ready_at(self, restored: list[Any] | None) -> list[Any] | None:
         """A group member's READY position: the batch after the last one it received (it
@@ -236,16 +239,27 @@ class ConsumerIo(Inbox):
             return None if restored is None else [*restored, False]
         return [self.stream, *self.next_at, True]
 
-    def _lost(self, why: str, clock: _Clock) -> bool:
-        """The producer died or went silent: with ``reconnect``, wait for a successor on the
-        same endpoint and rejoin it after the last batch received (the batches held and
+    def _lost(self, why: str, clock: _Clock, dead: bool) -> bool:
+        """The producer died (``dead``) or went silent: with ``reconnect``, wait for a successor
+        on the same endpoint and rejoin it after the last batch received (the batches held and
         queued stay valid: their memory stays mapped); else, or if none comes, ProducerLost."""
+        # What it sent before it was lost comes first (EVICTED, END), and goes with its link
+        if not self.receive():
+            return False
+        if self.shared.stream_over:
+            return True
         wait = self.settings.reconnect
         if self.freed is not None:  # a batch is lost already: a rejoin could not be exact
             why, wait = f"{why}; {self.freed}", 0
         if not wait:
             self.shared.fail(ProducerLost(why))
             return False
+        if dead:
+            # A STATUS asked after a freeze is never answered now, and no place under the
+            # batches queued is written again (an eviction would have come first, and was
+            # read): they may be taken while we wait for a successor, rather than next()
+            # raising ProducerLost after `timeout` (Batches._catch_up_after_freeze).
+            self.shared.synced.set()
         log.warning("%s; waiting up to %g s for a producer to continue the stream", why, wait)
         self.link = self.link.renewed(handshake.connect(self.settings))
         at = None if self.next_at is None else [self.stream, *self.next_at, True]
@@ -277,6 +291,10 @@ class ConsumerIo(Inbox):
         old, self.reader = self.reader, None  # type: ignore[assignment]
         old.close()  # the old producer's memory stays mapped under the batches still held
         self._welcomed(welcome, reader, recipes)
+        # The lost producer never answers a STATUS asked after a freeze; what it sent was read
+        # above, and it writes no place any more (a successor holds its name): this WELCOME is
+        # the answer.
+        self.shared.synced.set()
         self.ready_sent = False  # a group member says READY again, at its rejoin position
         now = time.monotonic()
         self.last_seen = clock.last_sent = clock.last_alive = clock.last_awake = now
