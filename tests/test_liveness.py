@@ -21,6 +21,7 @@ import zmq
 
 from tensorsocket import Consumer, Evicted, Producer, ProducerLost
 from tensorsocket.endpoint import holder, lock, resolve, runtime_dir, unlock
+from tensorsocket.transport import shm
 from tests.support import (
     SPAWN,
     NestedLoader,
@@ -284,6 +285,41 @@ def test_consumer_closing_mid_epoch_leaves_at_once(name):
         server.join(timeout=30)
         assert not server.is_alive() and errors == []
     assert_exact(report, batches)
+
+
+def test_a_consumer_whose_io_thread_failed_leaves_at_once(name, monkeypatch):
+    """A consumer's I/O thread that fails (here mapping an arena: out of descriptors, say)
+    ends its stream with ProducerLost, and must leave the producer then, as the caller's
+    thread does when it fails while reading: its process goes on (a notebook, a trainer that
+    makes a new Consumer), and until its `timeout` of silence it would pace every other
+    consumer, its places held. Before, it said no BYE, and stayed joined for that timeout."""
+    monkeypatch.setenv("TENSORSOCKET_SESSION", "0")  # over ZeroMQ: the I/O thread builds every batch
+    real, maps = shm.open_segment, []
+
+    def out_of_descriptors(*args: Any, **kwargs: Any) -> Any:
+        maps.append(args)
+        if len(maps) == 2:
+            raise OSError(24, "Too many open files")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(shm, "open_segment", out_of_descriptors)
+    producer = Producer(NestedLoader(6), name=name, slots=3, replay=0)
+    with serving(producer, None) as (server, errors):
+        consumer = Consumer(name=name, timeout=30)
+        try:
+            with pytest.raises(ProducerLost, match="consumer I/O failed: OSError"):
+                for _ in consumer:
+                    pass
+            failed = time.monotonic()
+            wait_until(
+                lambda: producer.status()["consumers"] == [],
+                5,
+                "the producer to see the failed consumer leave",
+            )
+            assert time.monotonic() - failed < 2.0
+        finally:
+            consumer.close()
+    assert errors == []
 
 
 def test_normal_run_leaks_nothing(name):

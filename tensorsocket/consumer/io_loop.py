@@ -55,12 +55,16 @@ def run(shared: Shared, settings: Settings, outcome: queue.SimpleQueue[Any]) -> 
         if io.serve():
             with shared.link_lock:
                 io.send_releases()
-                io.link.send(protocol.encode(Kind.BYE))
     except Exception as exc:
         log.exception("consumer I/O thread for %s failed", settings.endpoint)
         shared.fail(ProducerLost(f"consumer I/O failed: {type(exc).__name__}: {exc}"))
     finally:
         with shared.link_lock:  # (the caller's thread may be reading it)
+            # Leave, however this consumer's stream ended (close(), an error here, a bad
+            # message): a producer still serving takes back the places we held at once, not
+            # after our `timeout` of silence, pacing everyone meanwhile. (Said twice, or to a
+            # producer that is gone or evicted us, it changes nothing; a send never raises.)
+            io.link.send(protocol.encode(Kind.BYE))
             io.link.close(linger_ms=100)
         io.unwatch_producer()
 
