@@ -220,6 +220,25 @@ def test_consumers_that_leave_at_once_are_no_intruders(name, caplog):
     assert not [r for r in caplog.records if r.levelname == "WARNING" and "valid token" in r.getMessage()]
 
 
+def test_a_session_is_bound_under_the_producers_lock(name, monkeypatch):
+    """The publishing thread evicts joiners (a replayed batch that changed, no room to replay)
+    under the producer's lock, forgetting each one's unused session token, while the I/O
+    thread binds a session by taking its token: unlocked, a bind between forget's listing of
+    the tokens and its removal of one raised KeyError in the publishing thread, ending the
+    stream for every consumer."""
+    real, owned = producer_sessions.Sessions.bind, []
+    producer = Producer(lambda: (torch.zeros(4) for _ in range(1 << 20)), name=name, replay=0)
+
+    def bind(self: producer_sessions.Sessions, fd: int, peers: Any) -> Any:
+        owned.append(producer._shared.lock._is_owned())
+        return real(self, fd, peers)
+
+    monkeypatch.setattr(producer_sessions.Sessions, "bind", bind)
+    with serving(producer, epochs=None), Consumer(name=name, timeout=5):
+        wait_until(lambda: len(sessions_of(producer).by_cid) == 1, 30, "the consumer on its session")
+    assert owned and all(owned), owned
+
+
 def test_sends_the_kernel_cannot_take_wait_in_order():
     """A peer that does not read (frozen, say): sends queue in the kernel, then in
     ``pending``; once it reads, flush() delivers every frame, in order."""

@@ -151,7 +151,9 @@ class IoLoop:
         if sessions.listener is not None and fd == sessions.listener.fileno():
             sessions.accept()
         elif sessions.unbound(fd):
-            bound = sessions.bind(fd, self.shared.peers)
+            # (under the lock: an eviction in the publishing thread forgets a joiner's token)
+            with self.shared.changed:
+                bound = sessions.bind(fd, self.shared.peers)
             if bound is not None:
                 self._flush(time.monotonic(), switch=bound)
         elif fd in sessions.cid_of:
