@@ -14,6 +14,7 @@ import torch
 from tensorsocket import Consumer, Producer, gpu_memory
 from tensorsocket.cli.query import query_status
 from tensorsocket.cli.status import format_status
+from tensorsocket.producer.shared import Shared
 from tensorsocket.status import (
     RATE_WINDOW,
     ConsumerRates,
@@ -171,6 +172,30 @@ def test_a_wait_for_a_free_slot_counts_while_it_lasts() -> None:
         assert bottleneck(status) == "the slowest consumer (holder)"
         del held
         assert sum(1 for _ in it) == 6
+
+
+def test_a_wait_for_a_place_ending_while_the_status_is_taken_is_no_error(monkeypatch) -> None:
+    """The publishing thread clears ``place_wait_since`` without the lock when its wait for a
+    place ends, which may fall between status()'s test of it and its use: status() read it
+    twice, and the TypeError (a float minus None) killed the producer's I/O thread answering
+    a STATUS (`tensorsocket status`), ending the stream."""
+    name = unique_name("status")
+    producer = Producer(NestedLoader(2), name=name, slots=2, replay=0)
+    try:
+        reads = []
+
+        def ending(shared: Any) -> float | None:
+            reads.append(shared)
+            return 1.0 if len(reads) == 1 else None  # waiting at the first read, over at the next
+
+        monkeypatch.setattr(
+            Shared, "place_wait_since", property(ending, lambda shared, value: None), raising=False
+        )
+        status = producer.status()
+        assert status["slot_wait"] > 0
+    finally:
+        monkeypatch.undo()
+        producer.close()
 
 
 def test_a_sweeps_trial_is_known_by_its_name(name, monkeypatch):

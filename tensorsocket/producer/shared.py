@@ -17,6 +17,8 @@ is read and written under ``changed`` (a Condition over one lock), except where 
 * ``layouts``: the caller's thread numbers layouts; the I/O thread reads them for WELCOME.
 * ``first_join``, ``departed``: the I/O thread; ``replay_batches``, ``batch_bytes``: the
   caller's thread.
+* ``place_wait_since``: the caller's thread sets it while it waits for a place, without the
+  lock; :meth:`Shared.status` reads it once.
 * ``tracker``: a resumable producer's state file (:class:`.restart.Tracker`, its own lock,
   taken after this one): the caller's thread writes it as it publishes, the I/O thread when a
   join moves the restart point back (:meth:`Shared.send_joined`); ``joins`` counts those,
@@ -294,8 +296,9 @@ class Shared:
                 }
             )
         stats = dict(self.stats)
-        if self.place_wait_since is not None:  # a wait still on: counted too, or a long stall looked idle
-            waited = time.perf_counter() - self.place_wait_since
+        since = self.place_wait_since  # (read once: the publishing thread clears it unlocked)
+        if since is not None:  # a wait still on: counted too, or a long stall looked idle
+            waited = time.perf_counter() - since
             stats["slot_wait"] += waited
             stats["publish_time"] += waited
         stats = {k: round(v, 6) if isinstance(v, float) else v for k, v in stats.items()}
