@@ -12,8 +12,9 @@ one writer (or a thread-safe container), as listed here.
 * ``interrupted`` (deque): a batch's finalizer appends when Ctrl-C landed in it (Python only
   prints an exception raised there); the caller's next ``next()`` pops it and raises
   KeyboardInterrupt before it takes anything.
-* ``cut_off``, ``stream_over``, ``io_tick``, ``missed``: the I/O thread only; the caller's
-  thread reads.
+* ``cut_off``, ``stream_over``, ``missed``: whichever thread handles the producer's messages,
+  under ``link_lock`` (the I/O thread, or the caller's thread reading for itself); ``io_tick``:
+  the I/O thread only. The caller's thread reads them.
 * ``synced`` (Event): the I/O thread clears it after a freeze and sets it at the answer.
 * ``ready``: a group member's READY to send (its restored position or None, in a list), set
   once by the caller's thread when it begins iterating; the I/O thread sends it once.
