@@ -148,18 +148,17 @@ class Flow(Replaying):
         """Consumers the stream is for: not waiting for the rest of their group, not cut off."""
         return len([c for c in self.consumers.values() if not (c.broken or c.forming)])  # (no generator)
 
-    def places_to_start(self, member: Membership, policy: LateJoin = LateJoin.REPLAY) -> int:
-        """Places ``member``'s group's start would add (ValueError if :meth:`join` would refuse it)."""
-        self._forming.check(member, LateJoin(policy).value, self.window, self.max_lag is None)
+    def places_to_start(self, member: Membership, policy: LateJoin | None = LateJoin.REPLAY) -> int:
+        """Places ``member``'s group's start would add (ValueError if :meth:`join` would refuse
+        it; ``policy`` None: it joined already, and its group forms)."""
+        if policy is not None:
+            self._forming.check(member, LateJoin(policy).value, self.window, self.max_lag is None)
         return self._forming.places_to_start(member, self.groups())
 
     def groups(self) -> list[Group]:
         """Every group with a member here (forming, started or broken), oldest first."""
-        seen: dict[int, Group] = {}
-        for state in self.consumers.values():
-            if state.group is not None:
-                seen.setdefault(id(state.group), state.group)
-        return list(seen.values())
+        groups = (state.group for state in self.consumers.values() if state.group is not None)
+        return list({id(group): group for group in groups}.values())
 
     # ------------------------------------------------------------------ membership
 

@@ -32,8 +32,12 @@ def consume(name, options, started, out):
     if options.get("label") != "leader" and not options.pop("before", False):
         started.wait(60)  # half a second (or "after" s) after the leader's first batch
         time.sleep(options.pop("after", 0.5))
+    ready = options.pop("ready", None)  # joined at once, began iterating after the first batch
     try:
         with Consumer(name=name, timeout=30, **options) as consumer:
+            if ready is not None:
+                started.wait(60)
+                time.sleep(ready)
             epochs = []
             while not consumer.finished:
                 epochs.append([])
@@ -134,6 +138,21 @@ def test_a_group_formed_before_the_first_batch_is_counted_in_its_check(tmp_path,
     for label in ("leader", "rank0", "rank1"):  # each is told why the stream ended
         told = report["consumers"][label]["error"]
         assert told.startswith("ProducerLost:") and "96 MiB" in told, told
+
+
+def test_a_group_whose_ranks_joined_before_the_first_batch_and_start_after_it_is_checked(tmp_path, name):
+    """The 2 ranks join before the first batch (no batch size known: nothing to check them
+    by), and begin iterating after it: their group's start adds 6 places of 12 MiB (72 MiB)
+    to the 40 MiB left. Before, nothing checked them, and the producer hit ENOSPC, ending the
+    stream for everyone. Now its ranks are evicted, saying why, and the leader goes on."""
+    late = [r | {"before": True, "ready": 0.5} for r in _ranks(2)]
+    report, out = _run(tmp_path, name, slots=2, mib=12, late=late, replay=0)
+    _leader_got_everything(report, out)
+    for rank in ("rank0", "rank1"):
+        error = report["consumers"][rank]["error"]
+        assert error.startswith("Evicted:"), error
+        assert "group 'g': its 2 ranks need 6 more places of 12.0 MiB (3 a rank): 72 MiB" in error, error
+        assert "/dev/shm has 40 MiB free (room for 3)" in error, error
 
 
 def test_a_group_is_counted_at_the_size_batches_grew_to(tmp_path, name):

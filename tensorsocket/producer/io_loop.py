@@ -23,7 +23,7 @@ from ..errors import ProtocolError
 from ..flow import LateJoin, Membership, Tail
 from ..host import boot_id, pid_alive, pid_namespace, same_host
 from ..protocol import Kind
-from .room import check_group_fits
+from .room import check_group_fits, evict_group_that_does_not_fit
 from .session_turns import HANDOVER, publisher_turn
 from .sessions import QUEUE_PER_PEER, Sessions, send_zmq
 from .shared import TICK, TICK_MS, Peer, Shared
@@ -81,8 +81,7 @@ class IoLoop:
         self.sessions = Sessions()
         self.shared.direct = self.sessions.send_now
         self._bound.put(endpoint)
-        self.socket = socket
-        self.endpoint = endpoint
+        self.socket, self.endpoint = socket, endpoint
         shared = self.shared
         poller = zmq.Poller()
         poller.register(socket, zmq.POLLIN)
@@ -151,8 +150,7 @@ class IoLoop:
         if sessions.listener is not None and fd == sessions.listener.fileno():
             sessions.accept()
         elif sessions.unbound(fd):
-            # (under the lock: an eviction in the publishing thread forgets a joiner's token)
-            with self.shared.changed:
+            with self.shared.changed:  # (an eviction in the publishing thread forgets a joiner's token)
                 bound = sessions.bind(fd, self.shared.peers)
             if bound is not None:
                 self._flush(time.monotonic(), switch=bound)
@@ -205,8 +203,7 @@ class IoLoop:
     def _bad(self, cid: bytes, reason: str) -> None:
         shared = self.shared
         with shared.changed:
-            shared.stats["bad_messages"] += 1
-            count = shared.stats["bad_messages"]
+            shared.stats["bad_messages"] = count = shared.stats["bad_messages"] + 1
             shared.post(cid, protocol.encode(Kind.ERROR, reason=reason[:4000]))
         if count <= 20 or count % 1000 == 0:
             log.warning("bad message from %r: %s (%d so far)", cid, reason, count)
@@ -231,7 +228,10 @@ class IoLoop:
                 reason = "unknown consumer: it was evicted or never joined"
                 shared.post(cid, protocol.encode(Kind.EVICTED, reason=reason))
         elif kind is Kind.READY:
-            shared.send_joined(shared.flow.ready(cid, *position(self.shared.config.stream, msg["resume"])))
+            if not evict_group_that_does_not_fit(shared, cid, self.drop):  # (else the stream goes on)
+                shared.send_joined(
+                    shared.flow.ready(cid, *position(self.shared.config.stream, msg["resume"]))
+                )
         elif kind is Kind.BYE:
             self.drop(cid, "left")
         elif kind is Kind.MODIFIED:

@@ -91,7 +91,9 @@ class Publisher:
         self.pool.pulled(plan.sources)
         content = self._check_content(plan)
         if not self.started:
-            self.replay.size(plan, check_window_fits(shared, plan.nbytes))
+            with shared.lock:  # (a group starting meanwhile adds places: counted, or after this)
+                room = check_window_fits(shared, plan.nbytes)
+            self.replay.size(plan, room)
             self.pool.keep(shared.replay_batches)  # (the batches kept hold their buffers)
         self.started = True
         if self.replay.kept.budget:

@@ -9,7 +9,9 @@ with its memory or not yet. Three moments add places:
   refuses to start (:func:`check_window_fits`);
 * a group member's join, for the places its group takes once it starts
   (:data:`~tensorsocket.flow_groups.GROUP_PLACES_PER_RANK` a rank): that member is refused,
-  the stream goes on (:func:`check_group_fits`);
+  the stream goes on (:func:`check_group_fits`); and the group's start, when its last rank
+  is ready (its ranks may have joined before the first batch, unchecked): its ranks are
+  evicted, the stream goes on (:func:`evict_group_that_does_not_fit`);
 * a joiner that waits for a place every consumer holds (see :meth:`Flow.restage`): without
   room for one more, it is evicted, the stream goes on (:func:`room_to_grow`).
 """
@@ -17,11 +19,15 @@ with its memory or not yet. Three moments add places:
 from __future__ import annotations
 
 import errno
+import logging
+from collections.abc import Callable, Hashable
 
 from ..flow_groups import GROUP_PLACES_PER_RANK, Membership
 from ..flow_types import LateJoin
 from ..transport.base import Room
 from .shared import Shared
+
+log = logging.getLogger("tensorsocket")
 
 MIB = 1 << 20
 
@@ -76,15 +82,44 @@ def check_group_fits(shared: Shared, member: Membership | None, policy: LateJoin
     fit = None if member is None else places_that_fit(shared)
     if member is None or fit is None:
         return
-    more, (fits, room) = shared.flow.places_to_start(member, policy), fit
-    if more > fits:
-        size = room.arena_bytes / MIB
-        raise ValueError(
-            f"group {member.group!r}: its {member.size} ranks need {more} more places of {size:.1f} MiB "
-            f"({GROUP_PLACES_PER_RANK} a rank): {more * size:.0f} MiB, but {room.where} has "
-            f"{room.free_bytes / MIB:.0f} MiB free (room for {max(fits, 0)}): make batches smaller, run "
-            f"fewer ranks, or {room.remedy}"
-        )
+    short = _group_short(member, shared.flow.places_to_start(member, policy), fit)
+    if short is not None:
+        raise ValueError(short)
+
+
+def evict_group_that_does_not_fit(shared: Shared, cid: Hashable, drop: Callable[..., None]) -> bool:
+    """Before ``cid``'s READY is applied (lock held): if it is the last of its group's ranks to
+    be ready, so starting the group, and the places the group adds do not fit, evict its ranks
+    (``drop``: :meth:`IoLoop.drop`), saying why; True if it did. Its ranks may have joined
+    before the first batch, when no batch size was known to check them by. (Before the first
+    batch nothing is checked here: that batch's check counts the groups started by then.)"""
+    state = shared.flow.consumers.get(cid)
+    group = None if state is None else state.group
+    if group is None or state.ready or group.started or len(group.members) < group.size:  # type: ignore[union-attr]
+        return False
+    if not all(shared.flow.consumers[m].ready for m in group.members.values() if m != cid):
+        return False
+    member, fit = Membership(group.name, 0, group.size, group.tail), places_that_fit(shared)
+    short = None if fit is None else _group_short(member, shared.flow.places_to_start(member, None), fit)
+    if short is None:
+        return False
+    log.error("%s: its ranks are evicted", short)
+    for rank in list(group.members.values()):
+        drop(rank, "evicted: its group's places do not fit", evicted=short)
+    return True
+
+
+def _group_short(member: Membership, more: int, fit: tuple[int, Room]) -> str | None:
+    fits, room = fit
+    if more <= fits:
+        return None
+    size = room.arena_bytes / MIB
+    return (
+        f"group {member.group!r}: its {member.size} ranks need {more} more places of {size:.1f} MiB "
+        f"({GROUP_PLACES_PER_RANK} a rank): {more * size:.0f} MiB, but {room.where} has "
+        f"{room.free_bytes / MIB:.0f} MiB free (room for {max(fits, 0)}): make batches smaller, run "
+        f"fewer ranks, or {room.remedy}"
+    )
 
 
 def room_to_grow(shared: Shared) -> str | None:
