@@ -127,7 +127,13 @@ def lock(endpoint: str) -> IO[str] | None:
         return None
     path = endpoint[6:] + ".lock"
     for _ in range(_LOCK_TRIES):
-        f = open(path, "a+")
+        try:
+            f = open(path, "a+")
+        except OSError as exc:  # (a wrong argument, named: not a traceback from deep inside)
+            raise ValueError(
+                f"endpoint {endpoint!r}: cannot create its lock file {path} ({exc.strerror}); "
+                "the ipc path's folder must exist and be writable"
+            ) from None
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

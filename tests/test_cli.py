@@ -425,6 +425,19 @@ def test_errors_and_help(pipeline: Path, tmp_path: Path) -> None:
     assert left_in_runtime_dir(names.values()) == []  # (a refused serve gives its name back)
 
 
+def test_serve_on_an_ipc_path_whose_folder_is_missing_says_so_in_one_line(
+    pipeline: Path, tmp_path: Path
+) -> None:
+    """A bad --endpoint is a usage error (exit 2, one line naming the path), not a traceback
+    from opening the lock file."""
+    missing = tmp_path / "no-such-folder" / "x.sock"
+    rc, _, err = finish(start("serve", f"{pipeline}:make", "--endpoint", f"ipc://{missing}"))
+    assert rc == 2, err
+    assert "Traceback" not in err, err
+    assert f"cannot create its lock file {missing}.lock" in err, err
+    assert not missing.parent.exists()
+
+
 def left_in_runtime_dir(names: Any) -> list[str]:
     """The runtime directory's files of these producer names (socket, lock, state)."""
     return sorted(p.name for name in names for p in endpoint.runtime_dir().glob(f"{name}.sock*"))

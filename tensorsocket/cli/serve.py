@@ -285,7 +285,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # Refuse a served name before calling a possibly slow pipeline function, and give the
         # name back with its files at once: a pipeline that then fails leaves no lock file. The
         # Producer takes the lock for real below, and refuses too if someone took it in between.
-        endpoints.unlock(endpoint, endpoints.lock(endpoint))
+        try:
+            held = endpoints.lock(endpoint)
+        except ValueError as exc:  # an ipc path whose folder is missing: a bad --endpoint
+            raise UsageError(str(exc)) from None
+        endpoints.unlock(endpoint, held)
         loader = call_pipeline(function, args.pipeline, dict(args.args))
         check_gpu(args.device)
         try:
