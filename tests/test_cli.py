@@ -581,6 +581,15 @@ def test_status_watch_count_without_a_producer(capsys: pytest.CaptureFixture[str
     assert "argument --count: expected a positive integer" in capsys.readouterr().err
 
 
+def test_status_of_a_tcp_endpoint_without_a_port_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """``tcp://127.0.0.1:*`` is for a producer to bind; status cannot ask it: exit 2 with one
+    line, not a ValueError traceback."""
+    for watch in ([], ["--watch", "0.05", "--count", "1"]):
+        assert main(["status", "--endpoint", "tcp://127.0.0.1:*", *watch]) == 2
+        err = capsys.readouterr().err
+        assert "status needs the port the producer picked" in err and "Traceback" not in err
+
+
 def _consumer(label: str, **fields: Any) -> dict[str, Any]:
     base = {
         "label": label, "pid": 7, "device": "cpu", "batch_size": None, "late_join": "replay",

@@ -225,6 +225,12 @@ def format_status(
 
 def cmd_status(args: argparse.Namespace) -> int:
     endpoint = resolve(args)
+    try:
+        endpoints.connect_address(endpoint)
+    except ValueError:  # tcp://host:* : a producer binds it, nobody can connect to it
+        raise UsageError(
+            f"--endpoint {endpoint}: status needs the port the producer picked (serve logs it)"
+        ) from None
     if not (args.timeout > 0 and math.isfinite(args.timeout)):
         raise UsageError(f"--timeout must be > 0 seconds, got {args.timeout}")
     if args.watch is None and args.count is not None:
