@@ -333,9 +333,10 @@ def test_sigint_while_waiting_for_consumers(pipeline: Path) -> None:
         kill(serve)
 
 
-@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_a_stop_signal_to_the_process_group_ends_the_stream_cleanly(pipeline: Path, stop: int) -> None:
-    """`systemctl stop`, `timeout` and Ctrl-C in a terminal signal the whole process group, so
+    """`systemctl stop`, `timeout`, Ctrl-C and a closed terminal (SIGHUP: it killed serve, which
+    left its consumers ProducerLost and its files behind) signal the whole process group, so
     the loader's workers get it too. Their deaths must not turn the clean end into an error
     (torch's SIGCHLD handler raised for them: exit 1), and a forked worker does not log the
     stop as the producer does."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import sys
 
@@ -24,6 +25,18 @@ class UsageError(Exception):
 
 def error(message: str) -> None:
     print(f"tensorsocket: error: {message}", file=sys.stderr)
+
+
+def detach_output() -> None:
+    """Point stdout and stderr at /dev/null (after SIGHUP: a closed terminal fails writes with
+    EIO, which would stop the clean-up before it is done)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        for stream in (sys.stdout, sys.stderr):
+            os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
 
 
 # ---------------------------------------------------------------------------- option types

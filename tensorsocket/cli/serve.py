@@ -24,6 +24,7 @@ from .common import (
     UsageError,
     add_endpoint_options,
     count,
+    detach_output,
     fmt_bytes,
     positive_int,
     resolve,
@@ -39,7 +40,7 @@ def add_parser(sub: Any) -> None:
         "serve",
         help="serve a data pipeline to consumers (runs in the foreground)",
         description="Serve the batches of PIPELINE to every consumer that connects. Runs in the "
-        "foreground; Ctrl-C or SIGTERM ends the stream cleanly (consumers see a normal end) and "
+        "foreground; Ctrl-C, SIGTERM or SIGHUP (a closed terminal) ends the stream cleanly (consumers see a normal end) and "
         "frees the shared memory.",
         epilog="examples:\n  tensorsocket serve producer.synthetic:make_loader --name demo --arg batches=50\n"
         "  tensorsocket serve ./pipeline.py:make_loader --epochs 3 --arg root=data/jpeg-1024\n"
@@ -266,6 +267,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             log.warning("already stopping; waiting up to %g s for consumers to take the end", args.linger)
             return
         stopping.set()
+        if signum == signal.SIGHUP and sys.stderr.isatty():  # its terminal is gone: writes fail
+            detach_output()
         log.info("%s: ending the stream", signal.Signals(signum).name)
         # The loader's workers got the signal too when it went to the process group (Ctrl-C,
         # `systemctl stop`, `timeout`): their deaths are expected now, and torch's SIGCHLD
@@ -275,7 +278,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     previous = {}
     if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        # SIGHUP: the terminal serve runs in was closed; killed by it, the producer would leave
+        # its consumers ProducerLost, and its socket, lock and shared memory behind
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             previous[sig] = signal.signal(sig, on_signal)
     producer = None
     done = threading.Event()

@@ -15,7 +15,7 @@ from typing import Any
 from ... import endpoint as endpoints
 from ...pipeline import PipelineError
 from ...pipeline import load as load_pipeline
-from ..common import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
+from ..common import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, detach_output
 from .processes import run_wave, terminate
 from .report import Display, summary_table, write_summary
 from .trials import SweepError, Trial, make_trials
@@ -34,18 +34,6 @@ def _default_logs() -> Path:
         n += 1
         path = base.with_name(f"{base.name}-{n}")
     return path
-
-
-def _detach_output() -> None:
-    """Point stdout and stderr at /dev/null (after SIGHUP: a closed terminal fails writes with
-    EIO, which would stop the clean-up before the trainers are stopped and the summary written)."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        for stream in (sys.stdout, sys.stderr):
-            os.dup2(devnull, stream.fileno())
-        os.close(devnull)
-    except (OSError, ValueError):
-        pass
 
 
 def _prepare(args: argparse.Namespace) -> tuple[str, Path, list[Trial]]:
@@ -96,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         for sig in previous:  # a second Ctrl-C must not cut the clean-up short
             signal.signal(sig, signal.SIG_IGN)
         if signum == signal.SIGHUP:  # the terminal is gone: writing to it would fail the clean-up
-            _detach_output()
+            detach_output()
         raise _Interrupted(signum)
 
     previous = {}
