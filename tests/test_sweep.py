@@ -228,6 +228,48 @@ def test_ctrl_c_stops_trainers_and_producer(workdir: Path) -> None:
     assert "closed" in _read(logs / "producer.log")
 
 
+SLOW_PIPELINE = """
+import pathlib, time
+
+def make():
+    pathlib.Path("making").touch()
+    time.sleep(120)  # a pipeline that takes long to make (a large dataset's index, say)
+    return [1, 2, 3]
+"""
+
+
+def test_ctrl_c_while_the_producer_makes_its_pipeline_stops_at_once(workdir: Path) -> None:
+    """The producer reads the sweep's "stop" only once it is bound: before that (its pipeline
+    function still running), Ctrl-C waited 15 s for it and then SIGKILLed it. It served nothing,
+    so it is SIGTERMed at once, and says so in its log."""
+    (workdir / "slow.py").write_text(SLOW_PIPELINE)
+    logs = workdir / "logs"
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "tensorsocket.cli.sweep",
+            "--pipeline", "slow.py:make",
+            "--trainer", "python trainer.py",
+            "--grid", "a=0",
+            "--logs", str(logs),
+        ],
+        cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        wait_until((workdir / "making").exists, 60, "the producer to call its pipeline function")
+        proc.send_signal(signal.SIGINT)
+        started = time.monotonic()
+        out, _ = proc.communicate(timeout=40)
+        took = time.monotonic() - started
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out
+    assert took < 8.0, f"{took:.1f} s"
+    assert "stopped while making the pipeline" in _read(logs / "producer.log")
+    trials = json.loads((logs / "summary.json").read_text())["trials"]
+    assert [t["status"] for t in trials] == ["not run"]
+
+
 def _start_serving_sweep(workdir: Path, logs: Path, grid: str = "a=0") -> subprocess.Popen[str]:
     """A sweep of long trials (a=0: one that runs; a=1 exits before it joins), once its
     producer serves."""

@@ -77,14 +77,23 @@ class _ProducerProcess:
             pass
 
     def stop(self, grace: float) -> int | None:
-        """Let it finish within ``grace`` s, else tell it to stop; SIGKILL as a last resort."""
+        """Let it finish within ``grace`` s, else tell it to stop; SIGKILL as a last resort.
+        Not bound yet (importing, or in the pipeline function), it reads no stdin and served
+        nothing: SIGTERM it, rather than wait ``_PRODUCER_STOP`` s for a "stop" it never reads."""
         try:
             return self.process.wait(grace)
         except subprocess.TimeoutExpired:
             pass
-        self.tell("stop")
+        bound = self.endpoint is not None or self.ready_file.exists()
+        if bound:
+            self.tell("stop")
+        else:
+            try:  # (its handler raises KeyboardInterrupt: it exits at once, wherever it is)
+                self.process.send_signal(signal.SIGTERM)
+            except OSError:
+                pass
         try:
-            return self.process.wait(_PRODUCER_STOP)
+            return self.process.wait(_PRODUCER_STOP if bound else _TERM_GRACE)
         except subprocess.TimeoutExpired:
             try:  # its process group: DataLoader workers included
                 os.killpg(self.process.pid, signal.SIGKILL)

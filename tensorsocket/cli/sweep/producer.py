@@ -60,13 +60,15 @@ def main(argv: list[str]) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
-    try:
+    try:  # (the sweep SIGTERMs a producer stopped before it binds: a stop, not a crash)
         function = load_pipeline(args.pipeline)
+        loader = function(**dict(args.pipeline_args))
     except PipelineError as exc:
         log.error("%s", exc)
         return EXIT_USAGE
-    try:
-        loader = function(**dict(args.pipeline_args))
+    except KeyboardInterrupt:
+        log.info("stopped while making the pipeline; nothing served")
+        return EXIT_INTERRUPTED
     except Exception as exc:
         log.error("the pipeline %s raised %s", args.pipeline, describe(exc), exc_info=True)
         return EXIT_USAGE
