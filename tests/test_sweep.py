@@ -417,6 +417,29 @@ def test_parse_result_takes_the_last_valid_line() -> None:
     assert sweep.parse_result("no result here\n") is None
 
 
+def test_summary_json_is_strict_json_with_a_nan_loss_and_a_nan_grid_value(tmp_path: Path) -> None:
+    """A diverged trainer's RESULT has a NaN loss (train.py prints json.dumps of it), and a
+    grid value may read as one ("nan", "inf"): summary.json held NaN and Infinity, which are
+    not JSON (jq and JavaScript refuse the file)."""
+    from tensorsocket.cli.sweep.report import write_summary
+    from tensorsocket.cli.sweep.trials import Trial
+
+    trial = Trial("trial-01", {"lr": "10", "tag": "nan"}, ["python", "t.py"], tmp_path / "trial-01.log")
+    trial.log.write_text('RESULT {"loss": NaN, "samples_per_s": Infinity, "curve": [1.0, -Infinity]}\n')
+    trial.status, trial.exit_code, trial.started, trial.ended = "done", 0, 1.0, 2.0
+    trial.result = sweep.parse_result(trial.log.read_text())
+    write_summary([trial], tmp_path, {"name": "x"})
+
+    def refuse(token: str) -> None:
+        raise AssertionError(f"{token} in summary.json")
+
+    (record,) = json.loads((tmp_path / "summary.json").read_text(), parse_constant=refuse)["trials"]
+    assert record["params"] == {"lr": 10, "tag": "nan"}
+    assert record["loss"] == "nan" and record["samples_per_s"] == "inf"
+    assert record["result"]["curve"] == [1.0, "-inf"]
+    assert "nan" in (tmp_path / "summary.csv").read_text()
+
+
 # ---------------------------------------------------------------------------- consumer/train.py
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import shutil
 import sys
@@ -152,6 +153,19 @@ def summary_table(trials: list[Trial]) -> str:
     )
 
 
+def _strict(value: Any) -> Any:
+    """``value`` with each non-finite float (a diverged trainer's loss, a grid value ``nan``)
+    as its text: NaN and Infinity are not JSON, and strict readers (jq, JavaScript) refuse a
+    file that has them."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {key: _strict(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(item) for item in value]
+    return value
+
+
 def write_summary(trials: list[Trial], logs: Path, meta: dict[str, Any]) -> None:
     records = [
         {
@@ -168,7 +182,8 @@ def write_summary(trials: list[Trial], logs: Path, meta: dict[str, Any]) -> None
         }
         for t in trials
     ]
-    (logs / "summary.json").write_text(json.dumps({**meta, "trials": records}, indent=2) + "\n")
+    text = json.dumps(_strict({**meta, "trials": records}), indent=2, allow_nan=False)
+    (logs / "summary.json").write_text(text + "\n")
     keys = list(trials[0].params) if trials else []
     with open(logs / "summary.csv", "w", newline="") as f:
         writer = csv.writer(f)
