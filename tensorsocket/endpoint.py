@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import ipaddress
 import os
 import re
 import stat
@@ -102,6 +103,18 @@ def resolve(name: str | None = None, endpoint: str | None = None) -> str:
             raise ValueError(f"endpoint {endpoint!r}: expected tcp://[host]:port with a port number or *")
         return f"tcp://{host or '127.0.0.1'}:{port}"
     raise ValueError(f"endpoint {endpoint!r}: only ipc:// and tcp:// endpoints are supported")
+
+
+def beyond_this_machine(endpoint: str) -> bool:
+    """A tcp endpoint bound to an address other than loopback (``*``, ``0.0.0.0``, a host's
+    address or name): other hosts may reach it, and nothing authenticates them."""
+    if not endpoint.startswith("tcp://"):
+        return False
+    host = endpoint[6:].rpartition(":")[0].strip("[]")
+    try:
+        return host != "localhost" and not ipaddress.ip_address(host).is_loopback
+    except ValueError:  # "*", a host name, an interface: it may be
+        return True
 
 
 def connect_address(endpoint: str) -> str:

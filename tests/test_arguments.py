@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tensorsocket import Consumer, Producer, ProducerLost
-from tensorsocket.endpoint import ENV, resolve, runtime_dir
+from tensorsocket.endpoint import ENV, beyond_this_machine, resolve, runtime_dir
 from tensorsocket.transport.gpu_topology import GpuPathError
 from tests.support import NestedLoader, expected_batch, join_or_fail, same
 
@@ -266,6 +266,21 @@ def test_tcp_random_port_is_reported_and_reachable(endpoint):
             serving.result()
         finally:
             consumer.close()
+
+
+@pytest.mark.parametrize(
+    "endpoint, beyond",
+    [
+        ("tcp://127.0.0.1:5555", False), ("tcp://127.3.2.1:5555", False), ("tcp://localhost:*", False),
+        ("tcp://[::1]:5555", False), ("ipc:///tmp/x.sock", False), ("tcp://*:5555", True),
+        ("tcp://0.0.0.0:5555", True), ("tcp://[::]:5555", True), ("tcp://10.0.0.7:*", True),
+        ("tcp://node3:5555", True), ("tcp://eth0:5555", True),
+    ],
+)  # fmt: skip
+def test_an_endpoint_other_hosts_may_reach_is_told_apart(endpoint, beyond):
+    """What the producer warns of at its start (nothing authenticates a consumer). A test that
+    bound one would listen beyond this machine, so the rule is tested on its own."""
+    assert beyond_this_machine(endpoint) is beyond
 
 
 def test_environment_variable_names_the_endpoint(name, monkeypatch):

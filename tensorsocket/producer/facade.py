@@ -143,6 +143,13 @@ class Producer:
         shared = self._shared
         weakref.finalize(self, _stop_at_exit, shared.stop, shared.wakeup, self._io.thread, store)
         log.info("producer serving %s with %d slots on %s", self.endpoint, slots, self.device)
+        if endpoints.beyond_this_machine(self.endpoint):
+            log.warning(
+                "%s listens beyond this machine, and nothing authenticates who connects: any host "
+                "that reaches it may join, ask its status or hold the stream up. Consumers must run "
+                "on this machine: bind 127.0.0.1 unless they are in another network namespace",
+                self.endpoint,
+            )
 
     def _resume(
         self, resume: bool, pool: LoaderPool
