@@ -222,6 +222,38 @@ def test_nothing_is_pulled_before_min_consumers_join(name):
         server.join(timeout=10)
 
 
+class _CountedItems(torch.utils.data.Dataset):
+    """Items ``i`` (a tensor of 4 i's), counting every ``__getitem__`` in every worker."""
+
+    def __init__(self, items: int) -> None:
+        self.items, self.calls = items, SPAWN.Value("i", 0)
+
+    def __len__(self) -> int:
+        return self.items
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        with self.calls.get_lock():
+            self.calls.value += 1
+        return torch.full((4,), float(i))
+
+
+def test_no_loader_worker_starts_before_min_consumers_join(name):
+    """Opening a DataLoader's epoch starts its workers, which fetch batches ahead at once:
+    before, they did so before any consumer joined (16 items by the CLI helper's count)."""
+    data = _CountedItems(8)
+    loader = torch.utils.data.DataLoader(data, batch_size=2, num_workers=1)  # (forked: starts at once)
+    producer = Producer(loader, name=name, slots=2, replay=0, min_consumers=1)
+    server = serving(producer)
+    try:
+        time.sleep(2)  # (a worker would have fetched 2 batches ahead by now)
+        assert data.calls.value == 0
+        with Consumer(name=name) as consumer:
+            assert [batch[:, 0].tolist() for batch in consumer] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    finally:
+        producer.close()
+        server.join(timeout=10)
+
+
 def test_late_joiner_waits_for_the_next_epoch_when_this_one_is_gone(name, caplog):
     caplog.set_level(logging.WARNING)
     producer = Producer(NestedLoader(6), name=name, slots=2, replay=0)

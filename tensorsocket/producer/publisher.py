@@ -238,6 +238,8 @@ class Publisher:
             with self.shared.changed:
                 where = self.shared.restart_where()
             self.tracker.save(*where, force=True)
+        if not self.started:  # (nothing pulled, no loader worker started, before they come)
+            self.wait(self._may_start, None, f"{self.min_consumers} consumer(s) to join")
         self.loader_iter = self.pool.open(epoch)
         self.index = 0
         if self.tracker is not None:
