@@ -203,6 +203,9 @@ def test_a_wave_waits_for_every_consumer_of_trials_that_open_two(workdir: Path) 
     trials = json.loads((logs / "summary.json").read_text())["trials"]
     assert [t["result"]["samples"] for t in trials] == [[2 * BATCHES * BATCH_SIZE] * 2] * 2
     assert "4 consumer(s) joined" in _read(logs / "producer.log")
+    # what a wave that waits for consumers says meanwhile (a trial that opens fewer than
+    # --consumers-per-trial would leave it waiting: this is where that shows)
+    assert "2 of 4 consumer(s) joined or their trial exited" in _read(logs / "producer.log")
 
 
 def test_ctrl_c_stops_trainers_and_producer(workdir: Path) -> None:

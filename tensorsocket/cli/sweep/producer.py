@@ -25,6 +25,7 @@ from ...pipeline import load as load_pipeline
 from ..common import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, positive_int
 
 _STUCK_EXIT = 30.0  # this process kills itself if still running this long after a stop
+_QUIET_JOINS = 30.0  # no consumer joined for this long while the wave waits for more: said so
 # The stream's end reason when stdin closes without "stop": the sweep died (SIGKILL, a closed
 # terminal) and its trainers, in sessions of their own, still run. A clean end would let them
 # take a cut-short stream for a finished run (and print a RESULT); this makes them fail.
@@ -122,6 +123,7 @@ class _WaveServer:
         from ...host import pid_alive
 
         producer = self.producer
+        total, seen, since = self.trials * self.per_trial, -1, time.monotonic()
         try:
             while True:
                 # Joined consumers (whose process still lives) plus those of the trials that
@@ -135,9 +137,20 @@ class _WaveServer:
                         self.log.info("%s; nothing served", why)
                         producer.close(reason=self.reason)
                         return EXIT_OK
-                    if joined + self.exited * self.per_trial >= self.trials * self.per_trial:
+                    counted = joined + self.exited * self.per_trial
+                    if counted >= total:
                         self.serving = True
                         break
+                if counted != seen:  # (else a wave that waits for a consumer never coming says nothing)
+                    self.log.info("%d of %d consumer(s) joined or their trial exited", counted, total)
+                    seen, since = counted, time.monotonic()
+                elif time.monotonic() - since > _QUIET_JOINS:
+                    self.log.warning(
+                        "%d of %d consumer(s) joined, none for %g s: each trial must open %d "
+                        "(--consumers-per-trial) before its first batch",
+                        counted, total, _QUIET_JOINS, self.per_trial,
+                    )  # fmt: skip
+                    since = time.monotonic()
                 time.sleep(0.05)
             self.log.info("%d consumer(s) joined; serving %d epoch(s)", joined, epochs)
             producer.serve(epochs=epochs)
