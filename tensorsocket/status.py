@@ -190,12 +190,15 @@ def time_shares(status: ProducerStatus, previous: ProducerStatus | None = None) 
     loader = loader_wait / span
     slot = slot_wait / span
     write = max(0.0, publish_time - slot_wait) / span
+    busy = loader + slot + write
+    if busy > 1.0:  # a loader wait begun before the span counts where it ends: never over 100%
+        loader, slot, write = loader / busy, slot / busy, write / busy
     return {
         "span": span,
         "loader": loader,
         "slot": slot,
         "write": write,
-        "idle": max(0.0, 1.0 - loader - slot - write),
+        "idle": max(0.0, 1.0 - busy),
     }
 
 

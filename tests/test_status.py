@@ -107,6 +107,12 @@ def test_time_shares_since_start_and_since_the_previous_snapshot() -> None:
     restarted = producer(pid=43, uptime_s=1.0, loader_wait=0.5, slot_wait=0.0, publish_time=0.0)
     assert time_shares(restarted, producer())["span"] == 1.0  # another producer: since its start
     assert time_shares(producer(uptime_s=0.0))["span"] == 0.0
+    # A 2.04 s wait in next(loader) that began before a 2 s refresh ends in it (counted where
+    # it ends): the shares are scaled to 100%, not shown as 102% (the CLI helper saw that)
+    straddling = producer(uptime_s=12.0, published=19, loader_wait=8.04, slot_wait=1.0, publish_time=1.54)
+    shares = time_shares(straddling, producer())
+    assert shares["loader"] + shares["slot"] + shares["write"] == pytest.approx(1.0) and shares["idle"] == 0.0
+    assert shares["loader"] == pytest.approx(2.04 / 2.08) and shares["write"] == pytest.approx(0.04 / 2.08)
 
 
 def test_same_producer() -> None:
