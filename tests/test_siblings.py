@@ -125,17 +125,17 @@ def test_one_consumer_iterated_by_two_threads_at_once_is_refused(
     the two threads silently split the batches. Now the second one is told; the first goes on
     with every batch, and an iterator handed on between threads afterwards is still fine."""
     monkeypatch.setenv("TENSORSOCKET_SESSION", session)  # (read by the producer)
-    producer = Producer(NestedLoader(6, delay=2.0), name=name, slots=2, replay=0)
+    producer = Producer(NestedLoader(3, delay=2.0), name=name, slots=2, replay=0)
     with serving(producer, 1), Consumer(name=name, label="shared", timeout=30) as consumer:
         it = iter(consumer)
-        got = [same(next(it), expected_batch(0, 6))]  # (the next batch is then ~2 s away)
+        got = [same(next(it), expected_batch(0, 3))]  # (the next batch is then ~2 s away)
         waiting = threading.Thread(
-            target=lambda: got.append(same(next(it), expected_batch(1, 6))), daemon=True
+            target=lambda: got.append(same(next(it), expected_batch(1, 3))), daemon=True
         )
         waiting.start()
         time.sleep(0.5)  # it waits in next() now
         with pytest.raises(RuntimeError, match="consumer 'shared' is in next\\(\\) in another thread"):
             next(it)
         join_or_fail(waiting, 30)
-        got += [same(b, expected_batch(i, 6)) for i, b in enumerate(it, start=2)]  # handed back: fine
-        assert got == [True] * 6, got
+        got += [same(b, expected_batch(i, 3)) for i, b in enumerate(it, start=2)]  # handed back: fine
+        assert got == [True] * 3, got
