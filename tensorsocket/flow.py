@@ -264,9 +264,9 @@ class Flow(Replaying):
         start), else where its policy says. Ranks rejoining a restarted producer may disagree
         by what was in flight when it died: they start at the earliest, and each drops what
         it already received."""
-        states = [self.consumers[m] for m in group.members.values()]
-        if group.started or self.ended or len(states) < group.size or not all(s.ready for s in states):
+        if self.ended or not group.starts_when(lambda cid: self.consumers[cid].ready):
             return []
+        states = [self.consumers[m] for m in group.members.values()]
         self._forming.start(group)
         self.add_places(self._forming.more_places(self.groups()))
         positions = {s.at for s in states}

@@ -14,7 +14,7 @@ having been sent all of an epoch's share, once they were sent theirs.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -61,6 +61,12 @@ class Group:
     @property
     def running(self) -> bool:
         return self.started and self.lost is None
+
+    def starts_when(self, ready: Callable[[Hashable], bool]) -> bool:
+        """Whether it starts, given which members are ``ready``: not started yet, and every one
+        of its ranks joined and ready."""
+        members = self.members.values()
+        return not self.started and len(members) == self.size and all(ready(cid) for cid in members)
 
 
 @dataclass(frozen=True)

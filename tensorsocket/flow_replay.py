@@ -87,8 +87,7 @@ class Replaying:
             if kept:
                 place = max(kept, key=lambda i: self._places[i].seq)  # type: ignore[arg-type, return-value]
             elif grow and self._all_held():
-                self.add_places(1)
-                place = self._free.pop()  # (the new one: no place was free)
+                place = self._one_more_place()
             else:
                 self.blocked = True
                 return None
@@ -114,8 +113,12 @@ class Replaying:
         what the consumers may hold (their ``prefetch``) plus one."""
         if not self.every_place_held():
             return None
+        return self._fill(self._one_more_place())
+
+    def _one_more_place(self) -> int:
+        """A new place, free (every place was held: it is the only free one)."""
         self.add_places(1)
-        return self._fill(self._free.pop())  # (the new one: no place was free)
+        return self._free.pop()
 
     def restaged(self, place: int, payload: Any) -> list[Action]:
         """The place :meth:`restage` gave holds its batch again (``payload``: the message that

@@ -252,11 +252,13 @@ class Batches:
             if self.first_batch:
                 self.first_batch = False
                 if index >= self.group_size and not self.resume_checked:  # (a restored one said where it is)
-                    label, late_join = self.settings.label, self.settings.late_join
                     log.warning(
                         "consumer %r joined epoch %d at its batch %d (late_join=%r): this first epoch is partial",
-                        *(label, epoch, index, late_join),
-                    )  # fmt: skip
+                        self.settings.label,
+                        epoch,
+                        index,
+                        self.settings.late_join,
+                    )
             return batch
         self.mid_epoch = False
         if kind == EPOCH_END:

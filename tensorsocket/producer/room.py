@@ -93,14 +93,15 @@ def evict_group_that_does_not_fit(shared: Shared, cid: Hashable, drop: Callable[
     (``drop``: :meth:`IoLoop.drop`), saying why; True if it did. Its ranks may have joined
     before the first batch, when no batch size was known to check them by. (Before the first
     batch nothing is checked here: that batch's check counts the groups started by then.)"""
-    state = shared.flow.consumers.get(cid)
+    flow = shared.flow
+    state = flow.consumers.get(cid)
     group = None if state is None else state.group
-    if group is None or state.ready or group.started or len(group.members) < group.size:  # type: ignore[union-attr]
-        return False
-    if not all(shared.flow.consumers[m].ready for m in group.members.values() if m != cid):
+    if group is None or state.ready or flow.ended:  # type: ignore[union-attr]
+        return False  # (said again, or after END: it starts nothing)
+    if not group.starts_when(lambda other: other == cid or flow.consumers[other].ready):
         return False
     member, fit = Membership(group.name, 0, group.size, group.tail), places_that_fit(shared)
-    short = None if fit is None else _group_short(member, shared.flow.places_to_start(member, None), fit)
+    short = None if fit is None else _group_short(member, flow.places_to_start(member, None), fit)
     if short is None:
         return False
     log.error("%s: its ranks are evicted", short)
