@@ -191,6 +191,7 @@ SCHEMA: dict[Kind, dict[str, Callable[[Any], bool]]] = {
         "restarted": _opt(_restarted),
         "layouts": _layouts,
         "session": _opt(_session),  # [address, token] of a connection of this consumer's own
+        "starts_with": _opt(_int(1, 1 << 31)),  # before its first batch: consumers it waits for
     },
     Kind.ARENA: {"arena": _arena},
     Kind.LAYOUT: {"number": _int(0, 1 << 16), "layout": _any},

@@ -75,6 +75,7 @@ class ProducerStatus(TypedDict):
     places: int  # every arena index: window places and straggler room (groups add some)
     replay_batches: int  # the most batches the replay budget keeps (sized at the first batch; 0 before)
     replay_budget_bytes: int
+    starts_with: int | None  # before the first batch: the consumers it waits for; None once started
     kept_batches: int  # batches kept for replay now, where the loader made them (in a place or not)
     resident_batches: int  # published batches still in a place
     slot_bytes: int  # bytes of arenas allocated
@@ -238,6 +239,11 @@ def bottleneck(status: ProducerStatus, previous: ProducerStatus | None = None) -
     if status["ended"]:
         return "none: the stream has ended"
     if not status["published"]:
+        if status["starts_with"] is not None:
+            return (
+                f"none yet: the stream starts once {status['starts_with']} consumer(s) joined (min_consumers; "
+                f"a group counts once all its ranks joined), {len(status['consumers'])} connected"
+            )
         return "none yet: nothing published (waiting for consumers to join, or for the first batch)"
     if not status["consumers"]:
         return "none: no consumer is connected (the producer waits for one)"

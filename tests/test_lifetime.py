@@ -222,6 +222,36 @@ def test_nothing_is_pulled_before_min_consumers_join(name):
         server.join(timeout=10)
 
 
+def test_a_consumer_waiting_for_min_consumers_says_why(name, caplog):
+    """The first consumer of a producer waiting for two used to wait in silence (86 s in the
+    CLI audit, with nothing in its log): after its timeout it says what the producer waits
+    for, once; the producer's status says it too, until the stream starts."""
+    caplog.set_level(logging.WARNING)
+    producer = Producer(NestedLoader(3), name=name, slots=2, replay=0, min_consumers=2)
+    server = serving(producer)
+    said = "starts its stream once 2 consumers joined"
+    try:
+        with Consumer(name=name, timeout=0.5) as first:
+            it, got = iter(first), []
+            waiter = threading.Thread(target=lambda: got.append(next(it)[1]["meta"][2]), daemon=True)
+            waiter.start()
+            wait_until(lambda: said in caplog.text, 10, "the first consumer's warning")
+            time.sleep(1.0)  # (two more timeouts: it is said once)
+            assert caplog.text.count(said) == 1 and not got
+            assert producer.status()["starts_with"] == 2
+            with Consumer(name=name, timeout=0.5) as second:
+                waiter.join(10)
+                second_it = iter(second)
+                assert got == [0] and next(second_it)[1]["meta"][2] == 0
+                pairs = [(a[1]["meta"][2], b[1]["meta"][2]) for a, b in zip(it, second_it, strict=True)]
+                assert pairs == [(1, 1), (2, 2)]
+            assert producer.status()["starts_with"] is None
+        assert caplog.text.count(said) == 1
+    finally:
+        producer.close()
+        server.join(timeout=10)
+
+
 class _CountedItems(torch.utils.data.Dataset):
     """Items ``i`` (a tensor of 4 i's), counting every ``__getitem__`` in every worker."""
 

@@ -67,6 +67,7 @@ VALID: dict[str, Any] = {
     "stream": "0123abcd",
     "restarted": ["0123abcd", 2],
     "session": ["tensorsocket-4242-0123456789abcdef", "f" * 32],
+    "starts_with": 3,
     "token": "f" * 32,
 }
 EDGES: dict[str, list[Any]] = {
@@ -111,6 +112,7 @@ EDGES: dict[str, list[Any]] = {
     "stream": ["", "s" * 64],
     "restarted": [None, ["", 0], ["s" * 64, 2**63 - 1]],
     "session": [None, ["", ""], ["a" * 96, "t" * 64]],
+    "starts_with": [None, 1, 1 << 31],
     "token": ["", "t" * 64],
 }
 # Values no kind may accept for that field: wrong type, bool for int, out of range, too long.
@@ -193,6 +195,7 @@ BAD: dict[str, list[Any]] = {
     "stream": [None, 1, "s" * 65, b"s"],
     "restarted": ["s", [], ["s"], ["s", -1], ["s", True], [1, 0], ["s" * 65, 0], ["s", 0, 0]],
     "session": ["s", [], ["s"], ["a" * 97, "t"], ["a", "t" * 65], [1, "t"], ["a", None], ["a", "t", "x"]],
+    "starts_with": [0, -1, (1 << 31) + 1, 2.0, True, "2"],
     "token": [None, 1, "t" * 65, b"t", ["t"]],
 }
 

@@ -45,7 +45,8 @@ def consumer(label: str, **fields: Any) -> ConsumerStatus:
 def producer(**fields: Any) -> ProducerStatus:
     base: dict[str, Any] = {
         "endpoint": "ipc:///x.sock", "pid": 42, "uptime_s": 10.0, "slots": 4, "places": 12,
-        "replay_batches": 8, "replay_budget_bytes": 1 << 30, "kept_batches": 8, "resident_batches": 12,
+        "replay_batches": 8, "replay_budget_bytes": 1 << 30, "starts_with": None, "kept_batches": 8,
+        "resident_batches": 12,
         "slot_bytes": 12 << 20, "transport": "shm", "device": "cpu", "gpu_mib": None, "stragglers": "stall",
         "max_lag": None, "epoch": 1, "next_seq": 20, "ended": False, "batches_per_epoch": 16,
         "samples_per_epoch": 512, "published": 18, "loader_wait": 6.0, "slot_wait": 1.0,
@@ -148,6 +149,10 @@ def test_bottleneck() -> None:
     )
     assert bottleneck(producer(ended=True)) == "none: the stream has ended"
     assert bottleneck(producer(published=0)).startswith("none yet: nothing published")
+    assert bottleneck(producer(published=0, starts_with=3)) == (
+        "none yet: the stream starts once 3 consumer(s) joined (min_consumers; a group counts once all its "
+        "ranks joined), 2 connected"
+    )
     assert bottleneck(producer(consumers=[])).startswith("none: no consumer is connected")
     # Nothing published since the previous look: a wait in progress.
     stuck = producer(uptime_s=13.0)

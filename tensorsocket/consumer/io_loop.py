@@ -105,6 +105,7 @@ class ConsumerIo(Inbox):
         self.producer_local = same_host(welcome["boot_id"], welcome["pidns"])
         self.heartbeat = min(welcome["heartbeat"], self.settings.timeout / 4)
         self.batches_per_epoch = welcome["batches"]
+        self.shared.starts_with = welcome["starts_with"]
         # The places this consumer may hold at once: its prefetch caps the producer's window
         self.shared.io_sleeping.window = min(self.settings.prefetch, welcome["slots"])
         self.link.open_session(welcome, self.producer_local)

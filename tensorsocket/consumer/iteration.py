@@ -318,7 +318,7 @@ class Batches:
         """Each TICK of a wait in next(): raise rather than wait for a batch that cannot come."""
         _check_hoarding(self)
         siblings.check(self)
-        _warn_group_forming(self)
+        _warn_slow_start(self)
 
 
 def _in_another_thread(label: str) -> RuntimeError:
@@ -350,23 +350,32 @@ def _check_hoarding(batches: Batches) -> None:
         )
 
 
-def _warn_group_forming(batches: Batches) -> None:
-    """A rank's wait for its group's first batch has lasted its ``timeout``: say once why. The
-    group starts only with all its ranks, and a rank that never comes (it failed to start, or
-    joined under another name) leaves the others waiting with no error: they are alive."""
-    started, settings = batches.shared.wait_started, batches.settings
-    if settings.group is None or batches.taken_any or batches.warned or started is None:
+def _warn_slow_start(batches: Batches) -> None:
+    """A wait for the first batch has lasted the consumer's ``timeout``: say once why, when the
+    producer told us it waits for others (they are alive, so nothing else says it). A group
+    starts only with all its ranks; a producer only once ``min_consumers`` joined."""
+    started, settings, starts_with = batches.shared.wait_started, batches.settings, batches.shared.starts_with
+    if batches.taken_any or batches.warned or started is None:
         return
     if time.monotonic() - started < settings.timeout:
         return
-    batches.warned = True
-    group, rank, size, _ = settings.group
-    log.warning(
-        "consumer %r, rank %d of group %r, has waited %g s for its first batch: the group starts once "
-        "all its %d ranks joined and iterate (a rank that never does, or joins under another group "
-        "name, keeps it waiting; `tensorsocket status` lists the ranks joined)",
-        settings.label, rank, group, settings.timeout, size,
-    )  # fmt: skip
+    if settings.group is not None:
+        batches.warned = True
+        group, rank, size, _ = settings.group
+        log.warning(
+            "consumer %r, rank %d of group %r, has waited %g s for its first batch: the group starts once "
+            "all its %d ranks joined and iterate (a rank that never does, or joins under another group "
+            "name, keeps it waiting; `tensorsocket status` lists the ranks joined)",
+            settings.label, rank, group, settings.timeout, size,
+        )  # fmt: skip
+    elif starts_with is not None and starts_with > 1:
+        batches.warned = True
+        log.warning(
+            "consumer %r has waited %g s for its first batch: the producer at %s starts its stream once "
+            "%d consumers joined (min_consumers, or those before its restart); `tensorsocket status %s` "
+            "lists those joined",
+            settings.label, settings.timeout, settings.endpoint, starts_with, settings.endpoint,
+        )  # fmt: skip
 
 
 class EpochIterator:

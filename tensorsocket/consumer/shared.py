@@ -16,6 +16,8 @@ one writer (or a thread-safe container), as listed here.
   under ``link_lock`` (the I/O thread, or the caller's thread reading for itself); ``io_tick``:
   the I/O thread only. The caller's thread reads them.
 * ``synced`` (Event): the I/O thread clears it after a freeze and sets it at the answer.
+* ``starts_with``: the I/O thread, from each WELCOME: the consumers the producer waited for
+  before its first batch when this one joined (None: it had started).
 * ``ready``: a group member's READY to send (its restored position or None, in a list), set
   once by the caller's thread when it begins iterating; the I/O thread sends it once.
 * ``taken_batches``, ``taken_samples``, ``waiting``, ``wait_started``: the caller's thread
@@ -109,6 +111,7 @@ class Shared:
     waiting: float = 0.0
     wait_started: float | None = None  # inside next() since then: a wait in progress counts
     ready: list[Any] | None = None
+    starts_with: int | None = None
     missed: int = 0  # batches lost at rejoins (the I/O thread counts; Consumer.missed adds them)
     link_lock: threading.RLock = field(default_factory=threading.RLock)  # (an RLock: see caller_turn._lock)
     caller_inside: bool = False

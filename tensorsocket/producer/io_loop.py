@@ -275,23 +275,14 @@ class IoLoop:
         if shared.first_join is None:
             shared.first_join = now
         welcome = protocol.encode(
-            Kind.WELCOME,
-            pid=os.getpid(),
-            boot_id=boot_id(),
-            pidns=pid_namespace(),
-            batches=config.batches_per_epoch,
-            samples=config.samples_per_epoch,
-            slots=config.slots,
-            stragglers=config.stragglers,
-            transport=transport,
+            Kind.WELCOME, pid=os.getpid(), boot_id=boot_id(), pidns=pid_namespace(),
+            batches=config.batches_per_epoch, samples=config.samples_per_epoch, slots=config.slots,
+            stragglers=config.stragglers, transport=transport,
             gpu=shared.store.gpu if transport == shared.store.kind else None,
             arenas=[d for d in shared.store.describe() if d[0] == transport],
-            heartbeat=_heartbeat_interval(peer),
-            stream=config.stream,
-            restarted=config.restarted,
-            layouts=shared.layouts.entries,
-            session=self.sessions.offer(cid),
-        )
+            heartbeat=_heartbeat_interval(peer), stream=config.stream, restarted=config.restarted,
+            layouts=shared.layouts.entries, session=self.sessions.offer(cid), starts_with=shared.starts_with,
+        )  # fmt: skip
         shared.post(cid, welcome)
         shared.send_joined(actions)
         state = shared.flow.consumers[cid]

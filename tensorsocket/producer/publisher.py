@@ -66,6 +66,7 @@ class Publisher:
             if resumed.restarted is None:  # wait for the consumers to rejoin (not forever)
                 self.min_consumers = max(min_consumers, resumed.consumers)
                 self.grace = _REJOIN_GRACE if grace is None else grace
+        shared.starts_with = self.min_consumers
 
     def next_batch(self) -> Any:
         """Publish the loader's next batch and return it; StopIteration at the epoch's end."""
@@ -95,6 +96,7 @@ class Publisher:
                 room = check_window_fits(shared, plan.nbytes)
             self.replay.size(plan, room)
             self.pool.keep(shared.replay_batches)  # (the batches kept hold their buffers)
+            shared.starts_with = None
         self.started = True
         if self.replay.kept.budget:
             self.replay.check_newest()

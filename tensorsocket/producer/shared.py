@@ -15,8 +15,8 @@ is read and written under ``changed`` (a Condition over one lock), except where 
   its descriptors and admits consumers under it; close() closes it under it.
 * ``stats``: the caller's thread adds its timings; the I/O thread counts bad messages.
 * ``layouts``: the caller's thread numbers layouts; the I/O thread reads them for WELCOME.
-* ``first_join``, ``departed``: the I/O thread; ``replay_batches``, ``batch_bytes``: the
-  caller's thread.
+* ``first_join``, ``departed``: the I/O thread; ``replay_batches``, ``batch_bytes``,
+  ``starts_with``: the caller's thread.
 * ``place_wait_since``: the caller's thread sets it while it waits for a place, without the
   lock; :meth:`Shared.status` reads it once.
 * ``tracker``: a resumable producer's state file (:class:`.restart.Tracker`, its own lock,
@@ -119,6 +119,9 @@ class Shared:
         self.departed: collections.OrderedDict[Hashable, str] = collections.OrderedDict()
         self.replay_batches = 0  # sized at the first batch, from its bytes
         self.batch_bytes: int | None = None  # the first batch's (the places' size: see .room)
+        # before the first batch, the consumers it waits for (min_consumers, or those of before
+        # a restart); None once the stream started. WELCOME and status() say it.
+        self.starts_with: int | None = None
         self.tracker: Tracker | None = None
         self.joins = 0  # joins that moved the restart point back (orders the state file's writes)
         self.taken = 0  # the restart point restart_where() last gave
@@ -309,6 +312,7 @@ class Shared:
             "slots": config.slots,
             "places": flow.place_count,
             "replay_batches": self.replay_batches,
+            "starts_with": self.starts_with,
             "replay_budget_bytes": config.replay,
             "kept_batches": flow.kept(),
             "resident_batches": flow.resident(),
