@@ -7,6 +7,7 @@ from __future__ import annotations
 import _thread
 import sys
 import threading
+import weakref
 from typing import Any
 
 import pytest
@@ -182,14 +183,29 @@ class _RaisingOnce(set):
             raise KeyboardInterrupt
 
 
-@pytest.mark.parametrize("where", ["before-the-release", "after-the-release"])
+def _interrupt_at_the_finalizers_start(armed: list[bool]) -> Any:
+    """A trace function raising KeyboardInterrupt as :meth:`Releases.fired` is entered once
+    ``armed``: the exception leaves ``fired`` before its ``try``, with ``fired``'s frame outermost
+    in its traceback, as Ctrl-C does when Python checks for it at the function's first
+    instruction (2 of 36 soak runs sending real SIGINTs)."""
+
+    def trace(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and armed[0] and frame.f_code is delivery.Releases.fired.__code__:
+            armed[0] = False
+            raise KeyboardInterrupt
+
+    return trace
+
+
+@pytest.mark.parametrize("where", ["at-the-start", "before-the-release", "after-the-release"])
 def test_ctrl_c_in_a_batchs_finalizer_reaches_the_caller_and_loses_no_release(name, monkeypatch, where):
     """A batch's finalizer runs where its last view is dropped: in a ``for`` loop, as the loop
     variable takes the next batch, in the main thread, where Ctrl-C lands. Python only prints
     an exception raised in a weak reference's callback. Before: the user's Ctrl-C did nothing
     (printed "Exception ignored"), and one that landed before the release was queued (as
-    ``id()`` returned) lost the release: the consumer and the producer counted that batch as
-    held for ever. After: the release goes, and the KeyboardInterrupt reaches the loop."""
+    ``id()`` returned, or as ``fired`` began) lost the release: the consumer and the producer
+    counted that batch as held for ever. After: the release goes, and the KeyboardInterrupt
+    reaches the loop."""
     batches = 12
     armed = [False]
     if where == "before-the-release":
@@ -210,11 +226,44 @@ def test_ctrl_c_in_a_batchs_finalizer_reaches_the_caller_and_loses_no_release(na
 
             def arm(count: int) -> None:
                 if count == 4:  # batch 3's finalizer runs as the loop takes batch 4
-                    armed[0] = where == "before-the-release"
+                    armed[0] = where in ("at-the-start", "before-the-release")
+                    if where == "at-the-start":
+                        sys.settrace(_interrupt_at_the_finalizers_start(armed))
                     _RaisingOnce.armed = where == "after-the-release"
 
-            _through_interrupts(iter(consumer), batches, seen, interrupts, arm)
+            try:
+                _through_interrupts(iter(consumer), batches, seen, interrupts, arm)
+            finally:
+                sys.settrace(None)
             assert len(interrupts) == 1 and seen == list(range(batches))
             assert not live, live  # every batch dropped was released (queued for the producer)
             assert not [w for w, _ in delivery._WATCHING.values() if w() is None]
     assert errors == []
+
+
+def test_the_unraisable_hook_passes_on_what_is_not_an_interrupted_release(monkeypatch):
+    """The hook a consumer puts in front of ``sys.unraisablehook`` takes only a Ctrl-C that
+    left a batch's release callback; any other exception a callback or ``__del__`` raised
+    (a KeyboardInterrupt too) reaches the hook that was there, as before."""
+    seen: list[type[BaseException]] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: seen.append(unraisable.exc_type))
+    delivery.rescue_interrupted_releases()
+    delivery.rescue_interrupted_releases()  # (once: not wrapped twice)
+    assert isinstance(sys.unraisablehook, delivery._Rescuer)
+    assert not isinstance(sys.unraisablehook.previous, delivery._Rescuer)
+
+    class Owner:
+        pass
+
+    def failing(exc: type[BaseException]) -> Any:
+        def callback(ref: Any) -> None:
+            raise exc
+
+        return callback
+
+    for exc in (ValueError, KeyboardInterrupt):
+        owner = Owner()
+        ref = weakref.ref(owner, failing(exc))
+        del owner
+        assert ref() is None
+    assert seen == [ValueError, KeyboardInterrupt]

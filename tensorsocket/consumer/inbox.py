@@ -32,6 +32,7 @@ class Inbox:
     def __init__(self, shared: Shared, settings: Settings, link: Link, stream: str) -> None:
         self.shared, self.settings, self.link = shared, settings, link
         self.releases = delivery.Releases(shared)  # what each batch's finalizer needs
+        delivery.rescue_interrupted_releases()
         self.endpoint = settings.endpoint
         self.reader: Reader
         self.recipes: Recipes
