@@ -13,54 +13,24 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import compare
 from benchmarks.compare import Watcher, _judge, summarise, table, verdict
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_small_run_of_two_systems_is_exact_and_written(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.compare", "--systems", "independent,tensorsocket", "--trainers", "1,2",
-         "--images", "64", "--epochs", "2", "--step-ms", "1", "--timeout", "90", "--out", str(tmp_path),
-         "--tag", "test"],
-        cwd=ROOT, capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    [path] = tmp_path.glob("test-*.json")
-    result = json.loads(path.read_text())
-    systems = [(r["system"], r["trainers"]) for r in result["runs"]]
-    assert systems == [("loader-alone", 1), ("independent", 1), ("tensorsocket", 1), ("independent", 2),
-                       ("tensorsocket", 2)]  # fmt: skip
-    for run in result["runs"]:
-        assert run["exact"], run["problems"]
-        assert run["delivered_samples_per_trainer"] == [128] * run["trainers"]
-        assert run["per_trainer_samples_per_s"] > 0 and run["cpu_s"] > 0 and run["peak_pss_mib"] > 0
-    shared = result["runs"][-1]
-    assert [p["role"] for p in shared["processes"]] == ["ts-producer", "ts-trainer", "ts-trainer"]
-    assert [row["trainers"] for row in result["summary"]] == [1, 2]
-    assert "vs_independent" in result["summary"][1] and "gap_to_loader_pct" in result["summary"][1]
-    assert "| 2 |" in done.stdout  # the Markdown table is printed
-    has_matplotlib = importlib.util.find_spec("matplotlib") is not None
-    assert (tmp_path / path.with_suffix(".png").name).exists() == has_matplotlib
-    assert result["machine"]["cpus_used"] >= 1 and result["config"]["counts"] == [1, 2]
-
-
-def test_bad_trainer_counts_are_refused_before_anything_runs() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.compare", "--trainers", "1,zero"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert done.returncode == 2 and "--trainers must be positive integers" in done.stderr
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.compare", "--systems", "independent,coordl"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert done.returncode == 2 and "unknown coordl" in done.stderr
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.compare", "--producer-workers", "-1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert done.returncode == 2 and "--producer-workers must be 0 or more" in done.stderr
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["--trainers", "1,zero"], "--trainers must be positive integers"),
+        (["--systems", "independent,coordl"], "unknown coordl"),
+        (["--producer-workers", "-1"], "--producer-workers must be 0 or more"),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_runs(argv: list[str], said: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        compare.main(argv)
+    assert exited.value.code == 2 and said in capsys.readouterr().err
 
 
 TINY_TORCHVISION = """
@@ -73,41 +43,51 @@ class models:
 """
 
 
-def test_model_alone_reference_and_the_shared_loaders_workers(tmp_path: Path) -> None:
-    """``--model``: a model-alone run at every N (no loader, one synthetic batch) gives each
-    summary row its ``model_ceiling``; the one shared loader (producer, loader alone) gets
-    ``--cpus`` workers by default, independent trainers ``--workers``. torchvision is not
-    installable here, so a stand-in provides a small model under its name."""
+def test_small_run_of_two_systems_with_the_model_alone_reference_is_exact_and_written(tmp_path: Path) -> None:
+    """Both systems at 1 and 2 trainers, exact, written and tabled. With ``--model``, a
+    model-alone run at every N (no loader, one synthetic batch) gives each summary row its
+    ``model_ceiling``; the one shared loader (producer, loader alone) gets ``--cpus`` workers
+    by default, independent trainers ``--workers``. torchvision is not installable here, so a
+    stand-in provides a small model under its name. (One run of the harness: each costs
+    every process's torch import.)"""
     (tmp_path / "stand-in" / "torchvision").mkdir(parents=True)
     (tmp_path / "stand-in" / "torchvision" / "__init__.py").write_text(TINY_TORCHVISION)
     paths = [str(tmp_path / "stand-in"), os.environ.get("PYTHONPATH", "")]
     env = os.environ | {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.compare", "--systems", "independent,tensorsocket", "--trainers", "2",
-         "--images", "48", "--epochs", "1", "--model", "resnet18", "--cpus", "1", "--workers", "2",
+        [sys.executable, "-m", "benchmarks.compare", "--systems", "independent,tensorsocket", "--trainers", "1,2",
+         "--images", "48", "--epochs", "2", "--model", "resnet18", "--cpus", "1", "--workers", "2",
          "--timeout", "90", "--out", str(tmp_path), "--tag", "test"],
-        cwd=ROOT, capture_output=True, text=True, timeout=240, env=env,
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     [path] = tmp_path.glob("test-*.json")
     result = json.loads(path.read_text())
     assert [(r["system"], r["trainers"]) for r in result["runs"]] == [
-        ("loader-alone", 1), ("model-alone", 2), ("independent", 2), ("tensorsocket", 2)
+        ("loader-alone", 1), ("model-alone", 1), ("independent", 1), ("tensorsocket", 1),
+        ("model-alone", 2), ("independent", 2), ("tensorsocket", 2),
     ]  # fmt: skip
     for run in result["runs"]:
         assert run["exact"], run["problems"]
-        assert run["delivered_samples_per_trainer"] == [48] * run["trainers"]  # 32 + 16: as the loader's
-    alone, model, independent, shared = result["runs"]
+        assert run["delivered_samples_per_trainer"] == [96] * run["trainers"]  # (32 + 16) x 2
+        assert run["per_trainer_samples_per_s"] > 0 and run["cpu_s"] > 0 and run["peak_pss_mib"] > 0
+    alone, model, independent, shared = (result["runs"][i] for i in (0, 4, 5, 6))
     assert [p["role"] for p in model["processes"]] == ["synthetic-trainer"] * 2
     assert [p["workers"] for p in alone["processes"]] == [1]
     assert [p["workers"] for p in independent["processes"]] == [2, 2]
-    assert [p.get("workers") for p in shared["processes"]] == [1, None, None]  # ts-producer, 2 trainers
+    assert [p["role"] for p in shared["processes"]] == ["ts-producer", "ts-trainer", "ts-trainer"]
+    assert [p.get("workers") for p in shared["processes"]] == [1, None, None]
     assert result["config"]["producer_workers"] == 1 and result["config"]["workers"] == 2
-    [row] = result["summary"]
+    assert [row["trainers"] for row in result["summary"]] == [1, 2]
+    row = result["summary"][1]
+    assert "vs_independent" in row and "gap_to_loader_pct" in row
     assert (
         row["model_ceiling"] == model["per_trainer_samples_per_s"] > 0 and row["model_ceiling_ok"] == "exact"
     )
-    assert "| the model alone, no loader (the bound) |" in done.stdout
+    assert "| 2 |" in done.stdout and "| the model alone, no loader (the bound) |" in done.stdout
+    has_matplotlib = importlib.util.find_spec("matplotlib") is not None
+    assert (tmp_path / path.with_suffix(".png").name).exists() == has_matplotlib
+    assert result["machine"]["cpus_used"] >= 1 and result["config"]["counts"] == [1, 2]
 
 
 CFG = {"images": 64, "epochs": 1, "timeout": 30.0, "memory_cap_kib": None}

@@ -371,6 +371,7 @@ class FakeProducer:
                 restarted=None,
                 layouts=self.layouts,
                 session=None,  # (a fake producer speaks ZeroMQ only: consumers stay on it)
+                starts_with=None,
             )
             protocol.decode(welcome, protocol.MAX_REPLY_BYTES)  # our WELCOME itself is valid
             self.socket.send_multipart([cid, welcome])
@@ -640,6 +641,7 @@ def test_batches_carry_a_fingerprint_only_while_a_consumer_checks_writes(name, c
             receive(sock, {Kind.WELCOME})
             _, msg = receive(sock, {Kind.BATCH}, timeout=10)
             assert (msg["fingerprint"] is not None) is check_writes
+            sock.send(protocol.encode(Kind.BYE))  # (else the stream waits for it: 10 s a case)
         finally:
             sock.close(0)
 
