@@ -15,7 +15,7 @@ import pytest
 from tensorsocket import Consumer, Producer, ProducerLost, protocol
 from tensorsocket.consumer import delivery, inbox, link
 from tensorsocket.protocol import Kind
-from tests.support import NestedLoader, expected_batch, same, serving
+from tests.support import NestedLoader, expected_batch, same, serving, wait_until
 
 
 class InterruptedAcquire:
@@ -183,14 +183,26 @@ class _RaisingOnce(set):
             raise KeyboardInterrupt
 
 
-def _interrupt_at_the_finalizers_start(armed: list[bool]) -> Any:
-    """A trace function raising KeyboardInterrupt as :meth:`Releases.fired` is entered once
-    ``armed``: the exception leaves ``fired`` before its ``try``, with ``fired``'s frame outermost
-    in its traceback, as Ctrl-C does when Python checks for it at the function's first
-    instruction (2 of 36 soak runs sending real SIGINTs)."""
+def _one_interrupt(consumer: Any, batches: int, arm: Any) -> None:
+    """Iterate ``consumer`` to its end through the one Ctrl-C ``arm`` sets up (a trace function
+    it sets is cleared after): it reaches the loop once, and every batch comes once, in order."""
+    seen: list[int] = []
+    interrupts: list[int] = []
+    try:
+        _through_interrupts(iter(consumer), batches, seen, interrupts, arm)
+    finally:
+        sys.settrace(None)
+    assert len(interrupts) == 1 and seen == list(range(batches))
+
+
+def _interrupt_on_entering(code: Any, armed: list[bool]) -> Any:
+    """A trace function raising KeyboardInterrupt as a function of ``code`` is entered once
+    ``armed``: the exception leaves the function before its first line, with its frame in the
+    traceback, as Ctrl-C does when Python checks for it at a function's first instruction (for
+    :meth:`Releases.fired`, 2 of 36 soak runs sending real SIGINTs)."""
 
     def trace(frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and armed[0] and frame.f_code is delivery.Releases.fired.__code__:
+        if event == "call" and armed[0] and frame.f_code is code:
             armed[0] = False
             raise KeyboardInterrupt
 
@@ -221,23 +233,52 @@ def test_ctrl_c_in_a_batchs_finalizer_reaches_the_caller_and_loses_no_release(na
     with serving(producer, epochs=1) as (thread, errors):
         with Consumer(name=name, label="c", timeout=30) as consumer:
             live = consumer._shared.live = consumer._batches.turns.inbox.releases.live = _RaisingOnce()
-            seen: list[int] = []
-            interrupts: list[int] = []
 
             def arm(count: int) -> None:
                 if count == 4:  # batch 3's finalizer runs as the loop takes batch 4
                     armed[0] = where in ("at-the-start", "before-the-release")
                     if where == "at-the-start":
-                        sys.settrace(_interrupt_at_the_finalizers_start(armed))
+                        sys.settrace(_interrupt_on_entering(delivery.Releases.fired.__code__, armed))
                     _RaisingOnce.armed = where == "after-the-release"
 
-            try:
-                _through_interrupts(iter(consumer), batches, seen, interrupts, arm)
-            finally:
-                sys.settrace(None)
-            assert len(interrupts) == 1 and seen == list(range(batches))
+            _one_interrupt(consumer, batches, arm)
             assert not live, live  # every batch dropped was released (queued for the producer)
             assert not [w for w, _ in delivery._WATCHING.values() if w() is None]
+    assert errors == []
+
+
+@pytest.mark.parametrize("where", ["as-retire-begins", "after-retire"])
+def test_ctrl_c_in_a_gpu_batchs_finalizer_releases_it_once(name, monkeypatch, where):
+    """On the GPU path the finalizer hands the batch to its reader's retire(), which releases
+    it once the work queued on it ran (here the CPU stand-in's). Before: Ctrl-C landing as
+    retire() began lost the release (the entry was taken, nothing queued). Now the rescue
+    retires it again, and a batch retired twice (the interrupt came after retire() queued it)
+    is still released once."""
+    monkeypatch.setenv("TENSORSOCKET_FAKE_CUDA", "1")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    released: list[int] = []
+    ready = delivery.Releases.ready
+    monkeypatch.setattr(
+        delivery.Releases, "ready", lambda self, item: (released.append(item[0]), ready(self, item))
+    )
+    batches, armed = 12, [False]
+    producer = Producer(NestedLoader(batches), name=name, device="cuda:0", slots=2, replay=0)
+    with serving(producer, epochs=1) as (thread, errors):
+        with Consumer(name=name, label="c", timeout=30, device="cuda:0") as consumer:
+            reader = consumer._batches.turns.inbox.reader
+            live = consumer._shared.live = consumer._batches.turns.inbox.releases.live = _RaisingOnce()
+
+            def arm(count: int) -> None:
+                if count == 4:  # batch 3's finalizer runs as the loop takes batch 4
+                    if where == "as-retire-begins":
+                        armed[0] = True
+                        sys.settrace(_interrupt_on_entering(type(reader).retire.__code__, armed))
+                    _RaisingOnce.armed = where == "after-retire"
+
+            _one_interrupt(consumer, batches, arm)
+            assert not live, live
+            wait_until(lambda: len(released) >= batches, 10, lambda: f"releases of {sorted(released)}")
+            assert sorted(released) == sorted(set(released)), released  # each once
     assert errors == []
 
 

@@ -10,7 +10,6 @@ fingerprint and sends RELEASE. Only then may the producer reuse the place.
 
 from __future__ import annotations
 
-import functools
 import sys
 import weakref
 from typing import Any
@@ -52,12 +51,12 @@ class Releases:
         taken and the release queued with no call between them, and an interrupt finishes the
         release if it is not queued yet and is noted: the next ``next()`` raises it, before it
         takes a batch (raised here again, it would be dropped again)."""
-        item = None  # (not taken while it is in _WATCHING)
+        item = done = None  # (not taken while it is in _WATCHING; not yet retired)
         try:
             key = id(watch)
             item = _WATCHING[key][1]
-            if not item[6].at_once:  # (GPU: an interrupt as retire() begins still loses it)
-                done = functools.partial(self.ready, item)
+            if not item[6].at_once:
+                done = _ReleaseOnce(self, item)
                 del _WATCHING[key]
                 item[6].retire(item[1], done)
                 self.live.discard(item[0])
@@ -70,18 +69,23 @@ class Releases:
             if self.sleeping.now and self.sleeping.wants(self.live, self.released):
                 self.wakeup.wake()
         except KeyboardInterrupt:
-            self.rescue(watch, item)
+            self.rescue(watch, item, done)
 
-    def rescue(self, watch: weakref.ref[Any], item: tuple[Any, ...] | None) -> None:
+    def rescue(
+        self, watch: weakref.ref[Any], item: tuple[Any, ...] | None, done: _ReleaseOnce | None
+    ) -> None:
         """Finish the release of ``watch``'s batch that an interrupt cut short (``item``: its
-        entry, if it was taken), and note the interrupt for the next ``next()``."""
+        entry, if it was taken; ``done``: what retire() was to call, if it was made), and note
+        the interrupt for the next ``next()``."""
         entry = _WATCHING.pop(id(watch), None)
         if entry is not None:  # (not taken yet: nothing was done)
             item = entry[1]
             if item[6].at_once:
                 self.ready(item)
             else:
-                item[6].retire(item[1], functools.partial(self.ready, item))
+                item[6].retire(item[1], _ReleaseOnce(self, item))
+        elif done is not None:  # retire() may or may not have queued it: again (it releases once)
+            done.item[6].retire(done.item[1], done)
         if item is not None:
             self.live.discard(item[0])
         self.interrupted.append(None)
@@ -91,6 +95,23 @@ class Releases:
         self.released.append(item)
         if self.sleeping.now and self.sleeping.wants(self.live, self.released):
             self.wakeup.wake()
+
+
+class _ReleaseOnce:
+    """What a reader that releases later (a GPU's, once the work queued on the batch ran) calls
+    when a batch may be released: it releases it once, however often it is called. An
+    interrupt landing in retire() leaves it unknown whether retire() queued the release, so
+    the rescue retires the batch again, and whichever wait ends first releases it."""
+
+    __slots__ = ("releases", "item", "called")
+
+    def __init__(self, releases: Releases, item: tuple[Any, ...]) -> None:
+        self.releases, self.item, self.called = releases, item, False
+
+    def __call__(self) -> None:
+        if not self.called:  # (called from one thread: the reader's waiter, or the caller's)
+            self.called = True
+            self.releases.ready(self.item)
 
 
 class _Rescuer:
@@ -109,7 +130,7 @@ class _Rescuer:
         tb = unraisable.exc_traceback
         if unraisable.exc_type is KeyboardInterrupt and tb is not None and tb.tb_frame.f_code is _FIRED:
             local = tb.tb_frame.f_locals
-            local["self"].rescue(local["watch"], local.get("item"))
+            local["self"].rescue(local["watch"], local.get("item"), local.get("done"))
         else:
             self.previous(unraisable)
 
