@@ -15,7 +15,7 @@ import torch
 from tensorsocket import Consumer, Producer, ProducerLost
 from tensorsocket.endpoint import ENV, beyond_this_machine, resolve, runtime_dir
 from tensorsocket.transport.gpu_topology import GpuPathError
-from tests.support import NestedLoader, expected_batch, join_or_fail, same
+from tests.support import NestedLoader, expected_batch, join_or_fail, same, serving
 
 
 def read_all(consumer: Consumer, epochs: int, batches: int) -> list[tuple[int, int]]:
@@ -99,6 +99,29 @@ def test_producer_on_a_gpu_it_cannot_see_fails_at_construction(name, monkeypatch
     monkeypatch.setenv("TENSORSOCKET_FAKE_CUDA", "1")
     with pytest.raises(ValueError, match=r"cuda:7.*sees \d GPU"):
         Producer(NestedLoader(2), name=name, device="cuda:7")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_a_gpu_consumer_without_a_gpu_fails_at_construction(name, monkeypatch):
+    """Before: the Consumer was made and counted in (it met min_consumers), then its I/O
+    thread failed to copy the first host batch to the GPU, and the consumer raised
+    ProducerLost, blaming a producer that was fine."""
+    monkeypatch.delenv("TENSORSOCKET_FAKE_CUDA", raising=False)
+    producer = Producer(NestedLoader(2), name=name, replay=0)
+    with serving(producer, epochs=1):
+        with pytest.raises(
+            GpuPathError, match=r"Consumer\(device='cuda:0'\) needs a CUDA GPU: .*device='cpu'"
+        ):
+            Consumer(name=name, device="cuda:0")
+        assert producer.status()["consumers"] == []  # it never joined
+        with Consumer(name=name) as consumer:  # the stream goes on for one that can read it
+            assert len(list(consumer)) == 2
+
+
+def test_a_consumer_on_a_gpu_it_cannot_see_fails_at_construction(monkeypatch):
+    monkeypatch.setenv("TENSORSOCKET_FAKE_CUDA", "1")
+    with pytest.raises(GpuPathError, match=r"Consumer\(device='cuda:7'\) but this process sees \d GPU\(s\)"):
+        Consumer(name="nobody-serves-this", device="cuda:7")
 
 
 def test_producer_rejects_a_one_shot_generator_and_suggests_the_function(name):

@@ -22,6 +22,7 @@ from ..errors import Closed, ProducerLost
 from ..flow import LateJoin
 from ..rebatch import Rebatcher, batches_per_epoch
 from ..transport import parse_device
+from ..transport.device import check_visible
 from ..wakeup import stop_loop
 from . import io_loop, resume
 from .iteration import Batches, EpochIterator
@@ -136,6 +137,7 @@ class Consumer:
                 "drop_last needs a batch_size: without one the producer's batches arrive as they are"
             )
         self.device = parse_device(device)
+        check_visible(self.device)
         self.endpoint = endpoints.resolve(name, endpoint)
         self.stream = stream
         self.copy = copy

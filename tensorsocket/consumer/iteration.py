@@ -365,14 +365,14 @@ def _warn_slow_start(batches: Batches) -> None:
         log.warning(
             "consumer %r, rank %d of group %r, has waited %g s for its first batch: the group starts once "
             "all its %d ranks joined and iterate (a rank that never does, or joins under another group "
-            "name, keeps it waiting; `tensorsocket status` lists the ranks joined)",
-            settings.label, rank, group, settings.timeout, size,
+            "name, keeps it waiting; `tensorsocket status --endpoint %s` lists the ranks joined)",
+            settings.label, rank, group, settings.timeout, size, settings.endpoint,
         )  # fmt: skip
     elif starts_with is not None and starts_with > 1:
         batches.warned = True
         log.warning(
             "consumer %r has waited %g s for its first batch: the producer at %s starts its stream once "
-            "%d consumers joined (min_consumers, or those before its restart); `tensorsocket status %s` "
+            "%d consumers joined (min_consumers, or those before its restart); `tensorsocket status --endpoint %s` "
             "lists those joined",
             settings.label, settings.timeout, settings.endpoint, starts_with, settings.endpoint,
         )  # fmt: skip

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from .cuda_ipc import DeviceArena, _Mapping, _runtime
+from .device import no_cuda_reason
 from .gpu_topology import GpuPathError
 
 HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
@@ -103,13 +104,8 @@ class RealBackend:
     fake = False
 
     def __init__(self) -> None:
-        if not torch.cuda.is_available():
-            built = torch.version.cuda
-            why = (
-                f"this torch ({torch.__version__}) is built without CUDA"
-                if built is None
-                else "torch built for CUDA finds no usable GPU (driver, CUDA_VISIBLE_DEVICES, container?)"
-            )
+        why = no_cuda_reason()
+        if why is not None:
             raise GpuPathError(
                 f"the cuda transport needs a CUDA GPU: {why}. Install a CUDA build of torch and "
                 "pip install 'tensorsocket[gpu]' ('tensorsocket[gpu-cuda13]' for CUDA 13), or use device='cpu' "

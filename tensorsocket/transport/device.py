@@ -44,7 +44,9 @@ __all__ = [
     "GpuPathError",
     "Stream",
     "backend",
+    "check_visible",
     "fake_requested",
+    "no_cuda_reason",
 ]
 
 FAKE_ENV = "TENSORSOCKET_FAKE_CUDA"
@@ -174,3 +176,36 @@ def backend() -> DeviceBackend:
                 from .cuda_real import RealBackend as make
             instance = _cache[fake] = make()
         return instance
+
+
+def no_cuda_reason() -> str | None:
+    """Why this torch cannot use a CUDA GPU here, or None when it can."""
+    if torch.cuda.is_available():
+        return None
+    if torch.version.cuda is None:
+        return f"this torch ({torch.__version__}) is built without CUDA"
+    return "torch built for CUDA finds no usable GPU (driver, CUDA_VISIBLE_DEVICES, container?)"
+
+
+def check_visible(device: torch.device) -> None:
+    """A consumer's ``device``, if a GPU, is one this process sees; else GpuPathError saying
+    why, as the Consumer is made. (Before, a host producer's batches failed to copy there in
+    the I/O thread, after the producer had counted the consumer in: the stream ended for it
+    with a ProducerLost blaming the producer.) Only torch is asked: copies from host memory
+    need no CuPy."""
+    if device.type != "cuda":
+        return
+    if fake_requested():
+        seen = len(backend().visible_uuids())
+    else:
+        why = no_cuda_reason()
+        if why is not None:
+            raise GpuPathError(
+                f"Consumer(device={str(device)!r}) needs a CUDA GPU: {why}; or use device='cpu'"
+            )
+        seen = torch.cuda.device_count()
+    if (device.index or 0) >= seen:
+        raise GpuPathError(
+            f"Consumer(device={str(device)!r}) but this process sees {seen} GPU(s) "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')})"
+        )
