@@ -281,6 +281,15 @@ def _main() -> None:
         parser.add_argument("--device", default="cuda")
         parser.add_argument("--decoder", choices=DECODERS, default="torchvision")
 
+    # Said before the dataset is made (seconds of JPEG encoding) when this cannot run here.
+    early = argparse.ArgumentParser(add_help=False)
+    options(early)
+    asked, _ = early.parse_known_args()
+    try:
+        _check_device(asked.device, asked.decoder)
+    except (GpuPipelineUnavailable, ValueError) as exc:
+        raise SystemExit(str(exc)) from None
+
     def make(args: argparse.Namespace, root: Path, workers: int) -> _Synchronized:
         try:
             loader = make_loader(root, args.batch_size, workers, device=args.device, decoder=args.decoder)
