@@ -205,7 +205,7 @@ SCHEMA: dict[Kind, dict[str, Callable[[Any], bool]]] = {
     },
     Kind.SKIPPED: {"count": _int(1)},
     Kind.EPOCH_END: {"seq": _int(), "epoch": _int()},
-    Kind.END: {"seq": _int(), "reason": _opt(_str(4096))},
+    Kind.END: {"seq": _int(), "epoch": _int(), "reason": _opt(_str(4096))},  # epoch: the next, never begun
     Kind.RELEASE: {"seqs": _ints(MAX_RELEASE_SEQS)},
     Kind.HEARTBEAT: {},
     Kind.STATS: {"taken_batches": _int(), "taken_samples": _int(), "waiting": _num(0.0, 1e12)},

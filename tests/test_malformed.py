@@ -256,7 +256,7 @@ def test_hostile_traffic_is_answered_and_a_real_consumer_is_served_exactly(name)
         for frame in (
             protocol.encode(Kind.HELLO, **hello(label="raw-joined")),
             protocol.encode(Kind.EPOCH_END, seq=0, epoch=0),
-            protocol.encode(Kind.END, seq=0, reason=None),
+            protocol.encode(Kind.END, seq=0, epoch=0, reason=None),
             protocol.encode(Kind.ERROR, reason="from a consumer"),
             # (a consumer reports a changed batch before it releases it: one it does not hold is
             # a peer's mistake, not an ERROR line in the producer's log blaming it for every one)
@@ -602,7 +602,7 @@ def test_eviction_reply_to_a_release_after_end_does_not_fail_the_consumer(name, 
     frames = [
         batch([["t", 0], [["float32", [4], 0, 16]], 16]),
         protocol.encode(Kind.EPOCH_END, seq=1, epoch=0),
-        protocol.encode(Kind.END, seq=2, reason=None),
+        protocol.encode(Kind.END, seq=2, epoch=1, reason=None),
     ]
     stranger = protocol.encode(Kind.EVICTED, reason="unknown consumer: it was evicted or never joined")
     fake = FakeProducer(

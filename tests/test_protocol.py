@@ -273,7 +273,7 @@ def test_batch_layout_survives_the_wire() -> None:
 
 
 def test_encode_does_not_validate_but_decode_does() -> None:
-    frame = protocol.encode(Kind.END, seq=-5, reason=None)
+    frame = protocol.encode(Kind.END, seq=-5, epoch=0, reason=None)
     with pytest.raises(ProtocolError, match="seq"):
         protocol.decode(frame)
 

@@ -270,3 +270,36 @@ def test_a_re_cut_state_saved_after_its_short_last_batch_resumes_at_that_epochs_
                 restored.load_state_dict(saved)
                 assert [b.tolist() for b in restored] == []  # the rest of epoch 0
                 assert [i for b in restored for i in b.tolist()] == list(range(BATCHES * ROWS))  # epoch 1
+
+
+def test_a_consumer_restored_after_the_last_epoch_was_published_says_what_it_missed(name, caplog):
+    """Restored while the stream was still open (another consumer not yet sent its end) but
+    after the last epoch was published: it got nothing and said nothing (``missed`` None, no
+    log: 14 batches lost in silence, the exactness audit's case). The stream's end now counts
+    as where it went on: the rest of its run is counted and logged as missed."""
+    producer = Producer(Ids(), name=name, slots=2, replay=0, min_consumers=2)
+
+    def publish() -> None:
+        for _ in range(2):
+            for _ in producer:
+                pass
+        joined = lambda: any(c["label"] == "restored" for c in producer.status()["consumers"])  # noqa: E731
+        wait_until(joined, 30, "the restored consumer to join")
+        producer.close()
+
+    thread = threading.Thread(target=publish, daemon=True)
+    thread.start()
+    with Consumer(name=name, label="leader") as leader:
+        with Consumer(name=name, label="saver") as saver:
+            it = iter(saver)
+            next(it), next(it)
+            saved = saver.state_dict()
+            assert (saved["epoch"], saved["index"]) == (0, 2)
+            del it
+        assert sum(1 for _ in range(2) for _ in leader) == 2 * BATCHES
+        with Consumer(name=name, label="restored") as restored:
+            restored.load_state_dict(saved)
+            assert list(restored) == [] and restored.finished
+            assert restored.missed == 2 * BATCHES - 2
+            assert "the stream ended before epoch 2" in caplog.text and "14 batches missed" in caplog.text
+    thread.join(timeout=30)

@@ -140,7 +140,7 @@ class Inbox:
             # Every earlier BATCH is built (so its arena mapped): tell the producer
             # it may now free its arenas.
             shared.stream_over = True
-            shared.queue.put((END, msg["reason"]))
+            shared.queue.put((END, (msg["reason"], msg["epoch"])))
             self._send(protocol.encode(Kind.BYE))
         elif kind is Kind.EVICTED and shared.stream_over:
             # We said BYE at END, so a later RELEASE or MODIFIED draws this; after END

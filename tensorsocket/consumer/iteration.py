@@ -8,16 +8,15 @@ is not waiting for a batch it can never get.
 from __future__ import annotations
 
 import collections
-import gc
 import logging
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import Hoarding, ProducerLost
+from ..errors import ProducerLost
 from ..rebatch import Rebatcher, batch_length
-from . import resume, siblings
+from . import resume, siblings, wait_checks
 from .caller_turn import CallerTurns
 from .inbox import Inbox
 from .resume import Position
@@ -191,7 +190,8 @@ class Batches:
         size = self.group_size  # a group resumes at a round's start
         self.epoch, self.next_index = epoch, (index // size + 1) * size
 
-    def _report_resume(self, epoch: int, index: int) -> None:
+    def _report_resume(self, epoch: int, index: int, ended: bool = False) -> None:
+        """What a restored consumer missed, its first entry batch ``index`` of ``epoch`` (or the end)."""
         restored = self.restored
         assert restored is not None
         label, policy = self.settings.label, self.settings.late_join
@@ -206,11 +206,12 @@ class Batches:
         self.missed = resume.missed(restored, epoch, index, self.batches_per_epoch)
         if self.missed or (self.missed is None and (epoch, index) != (restored.epoch, restored.index)):
             self.restored = None  # its offset is in a batch it will not get
+            where = f"it goes on at batch {index} of epoch {epoch}"
+            where = f"the stream ended before epoch {epoch}" if ended else where
             log.warning(
                 "consumer %r was restored at batch %d of epoch %d, which the producer no longer has: "
-                "it goes on at batch %d of epoch %d (late_join=%r), %s batches missed",
-                label, restored.index, restored.epoch, index, epoch, policy,
-                "?" if self.missed is None else self.missed,
+                "%s (late_join=%r), %s batches missed",
+                label, restored.index, restored.epoch, where, policy, "?" if self.missed is None else self.missed,
             )  # fmt: skip
 
     def next_batch(self) -> Any:
@@ -273,8 +274,12 @@ class Batches:
             raise StopIteration
         if kind == END:
             self.ended = True
-            if payload:
-                raise ProducerLost(f"the producer at {self.settings.endpoint} ended the stream: {payload}")
+            reason, end_epoch = payload
+            if self.restored is not None and not self.resume_checked:  # (nothing came before it)
+                self.resume_checked = True
+                self._report_resume(end_epoch, 0, ended=True)
+            if reason:
+                raise ProducerLost(f"the producer at {self.settings.endpoint} ended the stream: {reason}")
             raise StopIteration
         self.error = payload
         raise payload
@@ -316,9 +321,9 @@ class Batches:
 
     def _check_waiting(self) -> None:
         """Each TICK of a wait in next(): raise rather than wait for a batch that cannot come."""
-        _check_hoarding(self)
+        wait_checks.check_hoarding(self)
         siblings.check(self)
-        _warn_slow_start(self)
+        wait_checks.warn_slow_start(self)
 
 
 def _in_another_thread(label: str) -> RuntimeError:
@@ -326,56 +331,6 @@ def _in_another_thread(label: str) -> RuntimeError:
         f"consumer {label!r} is in next() in another thread: a consumer is iterated by one thread "
         "at a time, as a DataLoader iterator is; give each thread a Consumer of its own"
     )
-
-
-def _check_hoarding(batches: Batches) -> None:
-    """Raise Hoarding if this consumer holds all the batches it may and waits for another."""
-    limit, slots = min(batches.settings.prefetch, batches.slots), batches.slots
-    live = batches.shared.live
-    if len(live) < limit:
-        return
-    # The samples a re-cut holds for its next batch are copied out (the batch they join
-    # is assembled anyway): with the loop variable's batch (the last epoch's tail, say)
-    # that was all it may hold, and the loop raised here.
-    if batches.rebatcher is not None:
-        batches.rebatcher.own_pending()
-    gc.collect()  # batches kept alive only by reference cycles
-    if len(live) >= limit:
-        bound = f"prefetch={limit}" if limit < slots else f"the producer's slots={slots}"
-        raise Hoarding(
-            f"this consumer holds {len(live)} batches, all it may hold ({bound}), "
-            "and waits for another: that can never arrive. "
-            "Drop references to old batches, use Consumer(copy=True), or give the producer "
-            "more slots"
-        )
-
-
-def _warn_slow_start(batches: Batches) -> None:
-    """A wait for the first batch has lasted the consumer's ``timeout``: say once why, when the
-    producer told us it waits for others (they are alive, so nothing else says it). A group
-    starts only with all its ranks; a producer only once ``min_consumers`` joined."""
-    started, settings, starts_with = batches.shared.wait_started, batches.settings, batches.shared.starts_with
-    if batches.taken_any or batches.warned or started is None:
-        return
-    if time.monotonic() - started < settings.timeout:
-        return
-    if settings.group is not None:
-        batches.warned = True
-        group, rank, size, _ = settings.group
-        log.warning(
-            "consumer %r, rank %d of group %r, has waited %g s for its first batch: the group starts once "
-            "all its %d ranks joined and iterate (a rank that never does, or joins under another group "
-            "name, keeps it waiting; `tensorsocket status --endpoint %s` lists the ranks joined)",
-            settings.label, rank, group, settings.timeout, size, settings.endpoint,
-        )  # fmt: skip
-    elif starts_with is not None and starts_with > 1:
-        batches.warned = True
-        log.warning(
-            "consumer %r has waited %g s for its first batch: the producer at %s starts its stream once "
-            "%d consumers joined (min_consumers, or those before its restart); `tensorsocket status --endpoint %s` "
-            "lists those joined",
-            settings.label, settings.timeout, settings.endpoint, starts_with, settings.endpoint,
-        )  # fmt: skip
 
 
 class EpochIterator:

@@ -269,7 +269,9 @@ class Publisher:
         with shared.changed:
             if shared.flow.ended:
                 return
-            frame = protocol.encode(Kind.END, seq=shared.flow.next_seq, reason=reason)
+            frame = protocol.encode(
+                Kind.END, seq=shared.flow.next_seq, epoch=shared.flow.epoch, reason=reason
+            )
             shared.send_all(shared.flow.end_stream(frame))
             shared.notify()  # (close() from another thread: the publishing thread stops waiting)
             if self.tracker is not None and reason is None:  # a clean end: nothing to resume

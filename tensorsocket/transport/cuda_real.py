@@ -28,7 +28,6 @@ import numpy as np
 import torch
 
 from .cuda_ipc import DeviceArena, _Mapping, _runtime
-from .device import no_cuda_reason
 from .gpu_topology import GpuPathError
 
 HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
@@ -104,14 +103,7 @@ class RealBackend:
     fake = False
 
     def __init__(self) -> None:
-        why = no_cuda_reason()
-        if why is not None:
-            raise GpuPathError(
-                f"the cuda transport needs a CUDA GPU: {why}. Install a CUDA build of torch and "
-                "pip install 'tensorsocket[gpu]' ('tensorsocket[gpu-cuda13]' for CUDA 13), or use device='cpu' "
-                "(host shared memory); "
-                "tests can set TENSORSOCKET_FAKE_CUDA=1 for a CPU stand-in"
-            )
+        """Made by :func:`.device.backend`, which first checks that torch can use CUDA here."""
         try:
             _runtime()
         except RuntimeError as exc:

@@ -173,6 +173,13 @@ def backend() -> DeviceBackend:
             if fake:
                 from .fake_cuda import FakeBackend as make
             else:
+                why = no_cuda_reason()
+                if why is not None:
+                    raise GpuPathError(
+                        f"the cuda transport needs a CUDA GPU: {why}. Install a CUDA build of torch and "
+                        "pip install 'tensorsocket[gpu]' ('tensorsocket[gpu-cuda13]' for CUDA 13), or use "
+                        "device='cpu' (host shared memory); tests can set TENSORSOCKET_FAKE_CUDA=1 for a CPU stand-in"
+                    )
                 from .cuda_real import RealBackend as make
             instance = _cache[fake] = make()
         return instance
