@@ -291,10 +291,7 @@ def _main() -> None:
         raise SystemExit(str(exc)) from None
 
     def make(args: argparse.Namespace, root: Path, workers: int) -> _Synchronized:
-        try:
-            loader = make_loader(root, args.batch_size, workers, device=args.device, decoder=args.decoder)
-        except GpuPipelineUnavailable as exc:
-            raise SystemExit(str(exc)) from None
+        loader = make_loader(root, args.batch_size, workers, device=args.device, decoder=args.decoder)
         if workers == args.workers[0]:
             print(f"device={args.device}, decoder={args.decoder}; num_workers read files")
         return _Synchronized(loader)
