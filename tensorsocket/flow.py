@@ -186,8 +186,9 @@ class Flow(Replaying):
         policy = LateJoin(policy)
         if member is not None:
             return self._join_group(cid, min(prefetch, self.window), policy, member, at, ready, rejoined)
-        state = ConsumerState(prefetch=min(prefetch, self.window), cursor=None, policy=policy)
-        self.consumers[cid] = state
+        state = self.consumers[cid] = ConsumerState(
+            min(prefetch, self.window), None, policy, rejoined=rejoined
+        )
         self._place(state, policy, at)
         return self._begin([cid])
 

@@ -7,6 +7,7 @@ import pytest
 
 from tensorsocket.flow import Deliver, EntryKind, Flow, LateJoin, Membership
 from tensorsocket.flow_invariants import check_invariants
+from tensorsocket.producer.restart import rejoinable, rejoined
 
 BATCH, EPOCH_END = EntryKind.BATCH, EntryKind.EPOCH_END
 
@@ -218,3 +219,30 @@ def test_a_groups_ranks_rejoining_after_a_crash_start_at_the_earliest_of_their_p
     out += flow.ready("r1", rank1, rejoined=True)
     run(flow, 4, out, release=("r0", "r1"))
     assert sent(out, "r0") == sent0 and sent(out, "r1") == sent1
+
+
+def test_a_successor_waits_for_those_with_something_to_lose_and_counts_only_their_rejoins():
+    """rejoinable(): what a producer's state file tells its successor to wait for, consumers
+    sent something (they rejoin after it); rejoined(): those of them back (both read the flow). A consumer sent
+    nothing yet, a forming group's member and a new consumer count in neither."""
+    flow = Flow(window=4, places=8)
+    out: list = []
+    flow.join("a", 4)
+    flow.join("half", 4, member=Membership("job", 0, 2))
+    assert rejoinable(flow) == 0  # nobody was sent anything
+    run(flow, 1, out, release=("a",))
+    flow.join("idle", 4, LateJoin.NEXT_EPOCH)  # mid-epoch: it waits for the next one
+    run(flow, 1, out, release=("a",))
+    assert sent(out, "a") == [(0, 0), (0, 1)] and not sent(out, "idle")
+    assert flow.serving() == 2 and rejoinable(flow) == 1 and rejoined(flow) == 0
+
+    successor = Flow(window=4, places=8)
+    successor.start_at(0, 0, 1)
+    successor.join("new", 4)  # joins the successor first: not one of its predecessor's
+    assert successor.serving() == 1 and rejoined(successor) == 0
+    successor.join("a", 4, at=(0, 2), rejoined=True)
+    successor.join("restored", 4, at=(0, 1))  # load_state_dict(): a position, but no rejoin
+    assert rejoined(successor) == 1 and successor.serving() == 3
+    # nothing sent yet, but "a" has a position to lose: its successor's successor waits for it
+    assert rejoinable(successor) == 1
+    check_invariants(successor)

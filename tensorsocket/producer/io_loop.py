@@ -295,7 +295,8 @@ class IoLoop:
             where = f"starts {shared.flow.lag(cid)} batches behind"
         if state.group is not None:
             where = f"is rank {state.rank} of group {state.group.name!r}; it {where}"
-        log.info("%s joined (%d connected); it %s", peer.describe(), len(shared.peers), where)
+        came = "rejoined" if rejoined else "joined"
+        log.info("%s %s (%d connected); it %s", peer.describe(), came, len(shared.peers), where)
 
     def drop(self, cid: Hashable, why: str, evicted: str | None = None) -> None:
         """Forget ``cid`` (lock held; any thread); ``evicted``: tell it so, and why, first."""

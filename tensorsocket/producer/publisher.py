@@ -16,7 +16,7 @@ from .. import layout, layout_table, pooled_collate, protocol
 from ..errors import Closed, IoThreadDied
 from ..protocol import Kind
 from .io_loop import IoLoop
-from .restart import Resumed, Tracker, content_fingerprint
+from .restart import Resumed, Tracker, content_fingerprint, rejoined
 from .retention import Kept, Replay
 from .room import check_window_fits
 from .session_turns import SessionTurns
@@ -61,12 +61,13 @@ class Publisher:
         # resume=True: where to restart from, and the state file; a successor's first epoch
         self.tracker, self.resumed = tracker, resumed
         self.expected: dict[tuple[int, int], int] = {}  # a successor's batches published before
+        self.rejoiners = 0  # a successor: its predecessor's consumers it waits for to rejoin
         if resumed is not None:
             self.expected = resumed.fingerprints
             if resumed.restarted is None:  # wait for the consumers to rejoin (not forever)
-                self.min_consumers = max(min_consumers, resumed.consumers)
+                self.rejoiners = resumed.consumers
                 self.grace = _REJOIN_GRACE if grace is None else grace
-        shared.starts_with = self.min_consumers
+        shared.starts_with = max(self.min_consumers, self.rejoiners)
 
     def next_batch(self) -> Any:
         """Publish the loader's next batch and return it; StopIteration at the epoch's end."""
@@ -78,7 +79,7 @@ class Publisher:
             if not serving:
                 self.wait(lambda: shared.flow.serving() >= 1, None, "a consumer to join")
         else:
-            self.wait(self._may_start, None, f"{self.min_consumers} consumer(s) to join")
+            self.wait(self._may_start, None, self._awaited())
         t0 = time.perf_counter()
         assert self.loader_iter is not None
         self.pool.before_pull()  # (the batch before is written, and maybe dropped by our caller)
@@ -207,10 +208,13 @@ class Publisher:
         return content
 
     def _may_start(self) -> bool:
-        """Before the first batch: enough consumers, or the grace period is over (lock held)."""
+        """Before the first batch: enough consumers, or the grace period is over (lock held).
+        A successor counts its predecessor's consumers by their rejoins: a new consumer joining
+        meanwhile is not one of them, and starting without one that is slow to rejoin could
+        publish its batches past it."""
         shared = self.shared
         serving = shared.flow.serving()  # a group counts once all its ranks joined
-        if serving >= self.min_consumers:
+        if serving >= self.min_consumers and rejoined(shared.flow) >= self.rejoiners:
             return True
         return (
             self.grace is not None
@@ -218,6 +222,14 @@ class Publisher:
             and shared.first_join is not None
             and time.monotonic() - shared.first_join >= self.grace
         )
+
+    def _awaited(self) -> str:
+        """What the first batch waits for, in words."""
+        joined = f"{self.min_consumers} consumer(s) to join"
+        if not self.rejoiners:
+            return joined
+        also = f", and {joined}" if self.min_consumers > 1 else ""
+        return f"its predecessor's {self.rejoiners} consumer(s) to rejoin{also}"
 
     def start_epoch(self) -> None:
         """Open the loader's next epoch (through the pool: an iterable, or a function returning
@@ -241,7 +253,7 @@ class Publisher:
                 where = self.shared.restart_where()
             self.tracker.save(*where, force=True)
         if not self.started:  # (nothing pulled, no loader worker started, before they come)
-            self.wait(self._may_start, None, f"{self.min_consumers} consumer(s) to join")
+            self.wait(self._may_start, None, self._awaited())
         self.loader_iter = self.pool.open(epoch)
         self.index = 0
         if self.tracker is not None:

@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 from .. import fingerprints, layout
+from ..flow import Flow
 from ..pooled_collate import LoaderPool
 from .state_file import Point, State, check_matches, decode, encode, read, remove, state_path, write
 
@@ -150,6 +151,7 @@ class Tracker:
     last_write: float = 0.0
     written: int | None = None  # the restart point last written
     joins: int = 0  # the Shared.joins of the last write: a point taken before a join is stale
+    consumers: int = 0  # the consumers last written: one more is written at once (a successor waits for it)
     seconds_writing: float = 0.0  # for the benchmark: the file's cost
     done: bool = False  # the stream ended: the file is gone and stays gone
     # close() from another thread may end the epoch and the stream while the caller's thread
@@ -221,11 +223,13 @@ class Tracker:
         self, restart_point: int, keep_from: int, consumers: int, joins: int, force: bool = False
     ) -> None:
         """Write the state for ``restart_point`` (at most every WRITE_EVERY seconds unless
-        ``force``) and forget what no restart can need any more. The caller's thread takes a
+        ``force``, or the ``consumers`` a successor waits for changed) and forget what no
+        restart can need any more. The caller's thread takes a
         point under the producer's lock and writes it after: one taken before the I/O thread
         wrote a joiner's (``joins`` is older) would undo that, so it is not written."""
         now = time.monotonic()
-        if (not force and now - self.last_write < WRITE_EVERY) or joins < self.joins:
+        soon = now - self.last_write < WRITE_EVERY and consumers == self.consumers
+        if (not force and soon) or joins < self.joins:
             return
         point = self.points.get(restart_point)
         if point is None:  # nothing published since the last point was written
@@ -239,7 +243,7 @@ class Tracker:
             return
         write(self.path, encode(State(self.stream, self.description, point, prints, consumers)))
         self.seconds_writing += time.perf_counter() - t0
-        self.last_write, self.written, self.joins = now, restart_point, joins
+        self.last_write, self.written, self.joins, self.consumers = now, restart_point, joins, consumers
 
     def behind(self, restart_point: int) -> bool:
         """Has the restart point moved back past the one written (a consumer joined and
@@ -327,3 +331,17 @@ def resume(loader: Any, state: State, new_stream: str, pool: LoaderPool) -> Resu
     return Resumed(
         new_stream, p.epoch, p.first_seq, 0, p.rng, state.consumers, {}, restarted=[state.stream, p.epoch]
     )
+
+
+def rejoinable(flow: Flow) -> int:
+    """Consumers served with a position to lose: sent something, or rejoined us after what our
+    predecessor sent them. Each rejoins a successor after what it received, and the state file
+    tells the successor to wait for them; one with nothing goes on with whatever stream it finds."""
+    served = [c for c in flow.consumers.values() if not (c.broken or c.forming)]
+    return len([c for c in served if c.last_sent is not None or c.rejoined])
+
+
+def rejoined(flow: Flow) -> int:
+    """Consumers served that rejoined us after what our predecessor sent them: a successor
+    counts these, not new consumers, against the ones its state file names."""
+    return len([c for c in flow.consumers.values() if c.rejoined and not (c.broken or c.forming)])

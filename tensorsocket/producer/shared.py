@@ -50,7 +50,7 @@ from ..protocol import Kind
 from ..status import ConsumerStatus, GroupStatus, ProducerStatus, Report, rates
 from ..transport import Store
 from ..wakeup import Wakeup
-from .restart import Tracker
+from .restart import Tracker, rejoinable
 
 TICK = 0.05  # seconds between liveness checks, and the longest any wait goes unchecked
 TICK_MS = int(TICK * 1000)
@@ -203,10 +203,11 @@ class Shared:
         self.send_all(actions)
 
     def restart_where(self) -> tuple[int, int, int, int]:
-        """(restart point, keep-from seq, consumers served, joins) for the state file (lock held)."""
+        """(restart point, keep-from seq, consumers a successor waits for, joins) for the state
+        file (lock held)."""
         flow = self.flow
         self.taken = flow.restart_point()
-        return self.taken, flow.keep_from(), flow.serving(), self.joins
+        return self.taken, flow.keep_from(), rejoinable(flow), self.joins
 
     def _group_broken(self, action: GroupBroken) -> bytes:
         who = self.departed.get(action.lost, "left")
