@@ -48,6 +48,18 @@ def stateful(n: int = 96, batch_size: int = 4, delay: float = 0.0, seed: int = 7
     return _shuffled(StatefulDataLoader, n, batch_size, delay, seed)
 
 
+def stateful_workers(n: int = 96, batch_size: int = 4, delay: float = 0.0, seed: int = 7) -> Any:
+    """A StatefulDataLoader whose two workers draw the augmentations (each seeded from the
+    loader's generator at iter()): its saved state does not hold their random states, so a
+    restart runs the epoch again from its start, as for a plain DataLoader."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    torch.manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)
+    data = Augmented(n, delay)
+    return StatefulDataLoader(data, batch_size=batch_size, shuffle=True, generator=generator, num_workers=2)
+
+
 class FromTheOs(Sampler):
     """A shuffle seeded by the OS at each epoch: no restored random state repeats it."""
 

@@ -101,7 +101,7 @@ def _by_epoch(results: list[dict[str, Any]], options: dict[str, Any]) -> list[li
     return next(r["seen"] for r in results if r["options"] == options)
 
 
-@pytest.mark.parametrize("pipeline", ["seeded", "stateful"])
+@pytest.mark.parametrize("pipeline", ["seeded", "stateful", "stateful_workers"])
 def test_a_producer_killed_five_times_under_a_supervisor_loses_nothing(name, tmp_path, pipeline):
     """Three trainers (one re-cutting to its own batch size, one a DDP job of two ranks) ride
     through five SIGKILLs of the producer at random positions: each sees exactly the
@@ -474,3 +474,11 @@ def test_a_state_saved_over_another_loader_is_refused(name, other):
 def test_resume_needs_an_endpoint_consumers_can_find_again():
     with pytest.raises(ValueError, match="fixed endpoint"):
         Producer([torch.zeros(1)], endpoint="tcp://127.0.0.1:*", resume=True)
+
+
+def test_only_a_stateful_loader_without_workers_is_resumed_from_its_state():
+    """A StatefulDataLoader's saved state does not hold its workers' random states: with
+    workers it is resumed as a plain DataLoader (the five-kill test runs both)."""
+    assert restart.mode_of(restart_pipeline.stateful()) == restart.STATEFUL
+    assert restart.mode_of(restart_pipeline.stateful_workers()) == restart.RERUN
+    assert restart.mode_of(restart_pipeline.seeded()) == restart.RERUN

@@ -256,8 +256,6 @@ class Publisher:
             self.wait(self._may_start, None, self._awaited())
         self.loader_iter = self.pool.open(epoch)
         self.index = 0
-        if self.tracker is not None:
-            self.tracker.epoch_iterating(epoch)
 
     def end_epoch(self) -> None:
         shared = self.shared

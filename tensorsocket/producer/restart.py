@@ -11,13 +11,13 @@ index) stay the same, so a consumer's position means the same batch on the succe
 How the successor reproduces the stream from there (a :class:`Point`):
 
 * ``stateful``: the loader has ``state_dict()`` / ``load_state_dict()`` (torchdata's
-  ``StatefulDataLoader``): mid-epoch, its state after the batch before the point is loaded,
-  and the random states of this process are put back as they were there (augmentations of a
-  loader without workers draw from them, and the next epoch's order from its generator; its
-  own state holds neither). At an epoch's start, as for ``rerun``: its state there is only
+  ``StatefulDataLoader``) and no worker processes (:func:`mode_of` says why): mid-epoch, its
+  state after the batch before the point is loaded, and the random states of this process
+  are put back as they were there (its augmentations draw from them, and the next epoch's
+  order from its generator; its own state holds neither). At an epoch's start, as for ``rerun``: its state there is only
   "finished", and loading that makes StatefulDataLoader 0.11 draw the next epoch's order
   from a generator state other than the one an uninterrupted run has.
-* ``rerun``: any other loader. The random states its epoch order and augmentations draw from
+* ``rerun``: any other loader, a StatefulDataLoader with workers too. The random states its epoch order and augmentations draw from
   (torch's, Python's and NumPy's global generators and the loader's own ``generator``) are
   restored to what they were at the epoch's start, and the epoch runs again up to the point
   without publishing. That is exact when the epoch depends on nothing else; the successor
@@ -64,9 +64,15 @@ STATEFUL, RERUN = "stateful", "rerun"
 
 
 def mode_of(loader: Any) -> str:
-    """``stateful`` when the loader saves and loads its own state, else ``rerun``."""
+    """``stateful`` when the loader saves and loads its own state and draws in this process
+    (no worker processes), else ``rerun``. A StatefulDataLoader's state does not hold its
+    workers' random states: a load reseeds them as at the epoch's start (torchdata 0.11,
+    ``stateful_dataloader/worker.py``), so what they draw (augmentations) differs from
+    before, and checking the batch at the point does not catch it: loaded after batch 0, 2
+    workers give batch 1 right (worker 1 had drawn nothing) and batch 2 wrong (worker 0 draws
+    batch 0's numbers again)."""
     has = all(callable(getattr(loader, m, None)) for m in ("state_dict", "load_state_dict"))
-    return STATEFUL if has else RERUN
+    return STATEFUL if has and not getattr(loader, "num_workers", 0) else RERUN
 
 
 def describe(loader: Any, batches: int | None, samples: int | None) -> dict[str, Any]:
@@ -147,7 +153,6 @@ class Tracker:
     points: dict[int, Point] = field(default_factory=dict)
     fingerprints: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # seq -> (epoch, index, fp)
     epoch_rng: dict[int, dict[str, Any]] = field(default_factory=dict)  # at each epoch's start
-    iter_rng: dict[int, dict[str, Any]] = field(default_factory=dict)  # after its iter() (stateful)
     last_write: float = 0.0
     written: int | None = None  # the restart point last written
     joins: int = 0  # the Shared.joins of the last write: a point taken before a join is stale
@@ -162,19 +167,13 @@ class Tracker:
     def stateful(self) -> bool:
         return self.description["mode"] == STATEFUL
 
-    @property
-    def draws_here(self) -> bool:
-        """Does the loader draw random numbers in this process batch by batch (it has no
-        worker processes), so the random states must be recorded at every point?"""
-        return getattr(self.loader, "num_workers", 0) == 0
-
     def loader_state(self) -> Any:
         return self.loader.state_dict() if self.stateful else None
 
     def resumed(self, resumed: Resumed) -> None:
         """A successor's first point: where it restarts (so its first write can be made)."""
         seq = resumed.first_seq + resumed.index
-        self.epoch_rng[resumed.epoch] = self.iter_rng[resumed.epoch] = resumed.rng
+        self.epoch_rng[resumed.epoch] = resumed.rng
         # (not the loader's state now: it may have pulled the batch at the point to check it)
         state = resumed.loader_state if self.stateful and resumed.index and not resumed.at_end else None
         self.points[seq] = Point(
@@ -188,24 +187,13 @@ class Tracker:
         self.points[seq] = Point(epoch, seq, 0, rng)
 
     @_locked
-    def epoch_iterating(self, epoch: int) -> None:
-        """After ``iter()``: a stateful loader with workers leaves this process's random states
-        as they are now until the epoch ends (what its mid-epoch points restore)."""
-        if self.stateful and not self.draws_here:
-            self.iter_rng[epoch] = rng_state(self.loader)
-
-    @_locked
     def published(self, seq: int, epoch: int, first_seq: int, index: int, fingerprint: int) -> None:
         """Batch ``seq`` went out: record it, and the point after it."""
         self.fingerprints[seq] = (epoch, index, fingerprint)
         # A stateful loader resumes mid-epoch from its own state; the random states there are
-        # what augmentations in this process (a loader without workers) draw from next.
-        if not self.stateful:
-            rng = self.epoch_rng[epoch]
-        elif self.draws_here:
-            rng = rng_state(self.loader)  # ~140 us, NumPy's ~90 of it: the price of exactness here
-        else:
-            rng = self.iter_rng[epoch]
+        # what its augmentations (drawn in this process: it has no workers) draw from next.
+        # (~140 us, NumPy's ~90 of it: the price of exactness here)
+        rng = rng_state(self.loader) if self.stateful else self.epoch_rng[epoch]
         self.points[seq + 1] = Point(epoch, first_seq, index + 1, rng, self.loader_state())
 
     @_locked
@@ -216,7 +204,6 @@ class Tracker:
         self.points[seq] = Point(epoch, first_seq, batches, rng, ended=True)
         self.points[seq + 1] = Point(epoch + 1, seq + 1, 0, rng)
         self.epoch_rng.pop(epoch - 1, None)
-        self.iter_rng.pop(epoch - 1, None)
 
     @_locked
     def save(
