@@ -241,8 +241,9 @@ def bottleneck(status: ProducerStatus, previous: ProducerStatus | None = None) -
     if not status["published"]:
         if status["starts_with"] is not None:
             return (
-                f"none yet: the stream starts once {status['starts_with']} consumer(s) joined (min_consumers; "
-                f"a group counts once all its ranks joined), {len(status['consumers'])} connected"
+                f"none yet: the stream starts once {status['starts_with']} consumer(s) joined (min_consumers, or "
+                "after a restart its predecessor's consumers that rejoin; a group counts once all its ranks "
+                f"joined), {len(status['consumers'])} connected"
             )
         return "none yet: nothing published (waiting for consumers to join, or for the first batch)"
     if not status["consumers"]:

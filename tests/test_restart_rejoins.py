@@ -10,12 +10,12 @@ import signal
 import time
 from typing import Any
 
-from tensorsocket import TensorSocketError, endpoint
+from tensorsocket import Consumer, Producer, TensorSocketError, endpoint
 from tensorsocket.cli.query import query_status
 from tensorsocket.producer import restart
 from tests import restart_pipeline
 from tests.support import SPAWN, wait_until
-from tests.test_restart import EPOCHS, _consume, _first_difference, _publish_then_die, _serve
+from tests.test_restart import EPOCHS, ROWS, _consume, _first_difference, _publish_then_die, _serve
 
 
 def _trainer(name: str, label: str, out: Any) -> None:
@@ -90,3 +90,118 @@ def test_a_successor_waits_for_its_predecessors_consumers_not_for_a_new_one(name
     for label in ("steady", "stopped"):
         assert f"'{label}' (pid {trainers[label].pid}) rejoined (" in text, text[-3000:]
     assert f"'new' (pid {new.pid}) joined" in text, text[-3000:]
+
+
+def _publish_and_wait(name: str, batches: int, go: Any, replay: int | None) -> None:
+    """A resumable producer (4 slots) whose loop body, after ``batches`` batches, waits for
+    ``go``; the next batch's wait for a place then writes a kept batch again for a replaying
+    joiner (restage), or the process is killed there."""
+    producer = Producer(restart_pipeline.seeded(delay=0.01), name=name, resume=True, slots=4, replay=replay)
+    for n, _ in enumerate(producer, 1):
+        if n == batches:
+            go.wait(120)
+
+
+def test_a_joiner_sent_its_first_batch_by_a_restage_is_counted_in_the_state_file(name):
+    """The state file counts a consumer as it is sent its first batch, whatever sends it.
+    Here a replaying joiner's first batch is a kept one written into a place again while the
+    publishing thread waits for a place: no publish follows to write the file. Before, the
+    file still said 1 consumer, and a successor started without the joiner (22 batches
+    missed in the reviewer's run)."""
+    go, out, holding, hold = SPAWN.Event(), SPAWN.Queue(), SPAWN.Event(), SPAWN.Event()
+    first = SPAWN.Process(target=_publish_and_wait, args=(name, 12, go, None))
+    first.start()
+    leader = SPAWN.Process(target=_consume, args=(name, {"label": "leader", "late_join": "now"}, out))
+    leader.start()
+    state = restart.state_path(endpoint.resolve(name))
+    try:
+        wait_until(
+            lambda: state.exists() and restart.read(state).point.index >= 6, 60, "the leader 6 batches in"
+        )
+        options = {"label": "joiner", "late_join": "replay", "prefetch": 2}
+        joiner = SPAWN.Process(target=_consume, args=(name, options, out, (holding, hold)))
+        joiner.start()
+        wait_until(
+            lambda: restart.read(state).point.index == 0, 60, "the joiner's join to move the point back"
+        )
+        assert restart.read(state).consumers == 1  # (it was sent nothing yet)
+        go.set()
+        assert holding.wait(60), "the joiner got no batch"
+        written = restart.read(state)
+        assert written.consumers == 2 and written.point.index == 0, written
+    finally:
+        first.kill()
+        first.join(timeout=30)
+        for p in (leader, joiner):
+            p.kill()
+            p.join(timeout=30)
+
+
+def _restored(name: str, checkpoint: dict[str, Any], out: Any, joined: Any) -> None:
+    """A trainer restored from ``checkpoint`` that waits for the next epoch: every batch it
+    gets, and how many it was told it missed."""
+    seen: list[int] = []
+    try:
+        options = {"timeout": 5.0, "reconnect": 60.0, "late_join": "next_epoch", "label": "restored"}
+        with Consumer(name=name, **options) as consumer:
+            consumer.load_state_dict(checkpoint)
+            joined.set()
+            while not consumer.finished:
+                seen += [int(i) for ids, _ in consumer for i in ids]
+            out.put({"options": {"label": "restored"}, "seen": seen, "missed": consumer.missed})
+    except TensorSocketError as exc:
+        out.put({"options": {"label": "restored"}, "error": f"{type(exc).__name__}: {exc}"})
+
+
+def test_a_restored_trainer_that_received_nothing_does_not_stand_in_for_one_that_did(name, tmp_path):
+    """A trainer restored from a checkpoint at batch 1, which the producer no longer has,
+    waits for the next epoch, so it was sent nothing when the producer died. It rejoins the
+    successor at its restored position, not as one of those that received batches: the
+    successor waits for the leader, which is stopped. It is told once that it missed 23
+    batches. Before, it rejoined as if it had received batch 0, the successor started
+    without the leader (12 batches missed), and it was told it missed 46."""
+    go, out, joined = SPAWN.Event(), SPAWN.Queue(), SPAWN.Event()
+    first = SPAWN.Process(target=_publish_and_wait, args=(name, 10, go, 0))  # (batch 1 is gone)
+    first.start()
+    with Consumer(name=name, timeout=10, late_join="now", label="early") as early:
+        next(iter(early))
+        checkpoint = early.state_dict()
+    assert (checkpoint["epoch"], checkpoint["index"]) == (0, 1)
+    leader = SPAWN.Process(target=_consume, args=(name, {"label": "leader", "late_join": "now"}, out))
+    leader.start()
+    address = endpoint.resolve(name)
+    state = restart.state_path(address)
+    wait_until(lambda: state.exists() and restart.read(state).point.index >= 6, 60, "the leader 6 batches in")
+    restored = SPAWN.Process(target=_restored, args=(name, checkpoint, out, joined))
+    restored.start()
+    assert joined.wait(60)
+    os.kill(leader.pid, signal.SIGSTOP)
+    log, second = tmp_path / "producer.log", None
+    try:
+        first.kill()
+        first.join(timeout=30)
+        second = _serve(name, "seeded", log, ("--grace", "60", "--replay", "0"))
+        wait_until(lambda: _joins(log) >= 1, 60, "the restored trainer to join")
+        time.sleep(1.0)  # (before, the successor started at once)
+        status = query_status(address, 10)
+        assert status["published"] == 0, (status, log.read_text()[-3000:])
+    finally:
+        os.kill(leader.pid, signal.SIGCONT)
+    try:
+        results = {r["options"]["label"]: r for r in (out.get(timeout=120) for _ in range(2))}
+        assert second.wait(timeout=60) == 0, log.read_text()[-3000:]
+    finally:
+        if second is not None and second.poll() is None:
+            second.kill()
+            second.wait()
+        for p in (leader, restored):
+            p.join(timeout=30)
+    expected = restart_pipeline.uninterrupted(restart_pipeline.seeded(), EPOCHS)
+    leader_result = results["leader"]
+    assert "error" not in leader_result and leader_result["missed"] is None, leader_result
+    assert leader_result["seen"] == expected, _first_difference(leader_result["seen"], expected)
+    assert "error" not in results["restored"], results["restored"]
+    assert results["restored"]["missed"] == 96 // ROWS - 1, results["restored"]
+    assert results["restored"]["seen"] == [i for epoch in expected[1:] for i, _ in epoch]
+    text = log.read_text()
+    assert f"'restored' (pid {restored.pid}) joined (" in text and "'leader'" in text, text[-3000:]

@@ -150,8 +150,8 @@ def test_bottleneck() -> None:
     assert bottleneck(producer(ended=True)) == "none: the stream has ended"
     assert bottleneck(producer(published=0)).startswith("none yet: nothing published")
     assert bottleneck(producer(published=0, starts_with=3)) == (
-        "none yet: the stream starts once 3 consumer(s) joined (min_consumers; a group counts once all its "
-        "ranks joined), 2 connected"
+        "none yet: the stream starts once 3 consumer(s) joined (min_consumers, or after a restart its "
+        "predecessor's consumers that rejoin; a group counts once all its ranks joined), 2 connected"
     )
     assert bottleneck(producer(consumers=[])).startswith("none: no consumer is connected")
     # Nothing published since the previous look: a wait in progress.

@@ -267,7 +267,7 @@ class ConsumerIo(Inbox):
             self.shared.synced.set()
         log.warning("%s; waiting up to %g s for a producer to continue the stream", why, wait)
         self.link = self.link.renewed(handshake.connect(self.settings))
-        at = None if self.next_at is None else [self.stream, *self.next_at, True]
+        at = self._ready_at(self.settings.resume)  # (a rejoin only after what it received)
         try:
             welcome = handshake.join(self.link.socket, self.settings, at, wait, self.shared)
         except (ProducerLost, Refused, ProtocolError, ValueError) as exc:
@@ -312,7 +312,8 @@ class ConsumerIo(Inbox):
         come again. Another stream: ProducerLost (we cannot go on exactly)."""
         restarted = welcome["restarted"]
         if welcome["stream"] == self.stream:
-            self.drop_through, self.rejoined_at = self.last_seq, self.next_at
+            # (one restored that received nothing yet: its restore says what it missed, once)
+            self.drop_through, self.rejoined_at = self.last_seq, self.next_at if self.last_seq >= 0 else None
             return True
         if self.last_seq < 0 and self.settings.resume is None:  # it had nothing yet: nothing to lose
             self.stream = welcome["stream"]

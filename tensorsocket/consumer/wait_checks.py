@@ -59,7 +59,8 @@ def warn_slow_start(batches: Any) -> None:
         batches.warned = True
         log.warning(
             "consumer %r has waited %g s for its first batch: the producer at %s starts its stream once "
-            "%d consumers joined (min_consumers, or those before its restart); `tensorsocket status --endpoint %s` "
+            "%d consumers joined (min_consumers, or after a restart its predecessor's consumers that rejoin); "
+            "`tensorsocket status --endpoint %s` "
             "lists those joined",
             settings.label, settings.timeout, settings.endpoint, starts_with, settings.endpoint,
         )  # fmt: skip

@@ -72,6 +72,7 @@ class Peer:
     last_sent: float = 0.0
     transport: str = "shm"  # the transport it reads batches through (the store's admit says)
     check_writes: bool = False  # it checks each batch's fingerprint at release
+    counted: bool = False  # the state file counted it among those a successor waits for (resume)
     # its STATS reports, the last few seconds of them
     stats: collections.deque[Report] = field(default_factory=lambda: collections.deque(maxlen=32))
 
@@ -180,6 +181,8 @@ class Shared:
         """Send or queue what the flow decided (lock held)."""
         if not actions:
             return
+        if self.tracker is not None:
+            self._count_first_sends(actions)
         now = time.monotonic()  # (once: a batch is sent to every consumer at once)
         for action in actions:
             if type(action) is Deliver:
@@ -189,6 +192,21 @@ class Shared:
             else:
                 assert isinstance(action, GroupBroken)
                 self.post(action.consumer, self._group_broken(action), now)
+
+    def _count_first_sends(self, actions: list[Action]) -> None:
+        """Before a consumer's first entry goes out, whatever sends it (a publish, a release
+        that lets it take more, a replayed batch written again, its group's start), the state
+        file counts it among the consumers a successor waits for: it rejoins after what it
+        received, and a successor that started without it could publish past it (lock held)."""
+        first = False
+        for action in actions:
+            if type(action) is Deliver:
+                peer = self.peers.get(action.consumer)
+                if peer is not None and not peer.counted:
+                    peer.counted = first = True
+        if first and self.tracker is not None:
+            self.joins += 1  # (a point taken before this one must not be written after it)
+            self.tracker.save(*self.restart_where(), force=True)
 
     def send_joined(self, actions: list[Action]) -> None:
         """Send what a join (or a group's start) decided (lock held). A joiner that replays

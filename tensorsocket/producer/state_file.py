@@ -61,7 +61,9 @@ class State:
     loader: dict[str, Any]
     point: Point
     fingerprints: dict[tuple[int, int], int]  # (epoch, index) -> content fingerprint, from the point - 1 on
-    consumers: int  # consumers being served: a successor waits for them to rejoin
+    consumers: (
+        int  # consumers with a position to lose (restart.rejoinable): a successor waits for them to rejoin
+    )
 
 
 def encode(state: State) -> bytes:
