@@ -181,7 +181,8 @@ class Producer:
             log.info(
                 "resuming stream %s of %s at batch %d of epoch %d (%s)",
                 state.stream, self.endpoint, resumed.index, resumed.epoch,
-                "starting that epoch again" if resumed.restarted else f"{description['mode']}; {state.consumers} consumer(s) to rejoin first",
+                "starting that epoch again" if resumed.restarted
+                else f"{description['mode']}; {state.consumers} consumer(s) to rejoin first",
             )  # fmt: skip
         stream = uuid.uuid4().hex if resumed is None else resumed.stream
         tracker = restart.Tracker(path, self.loader, description, stream)

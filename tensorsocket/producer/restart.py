@@ -14,13 +14,14 @@ How the successor reproduces the stream from there (a :class:`Point`):
   ``StatefulDataLoader``) and no worker processes (:func:`mode_of` says why): mid-epoch, its
   state after the batch before the point is loaded, and the random states of this process
   are put back as they were there (its augmentations draw from them, and the next epoch's
-  order from its generator; its own state holds neither). At an epoch's start, as for ``rerun``: its state there is only
-  "finished", and loading that makes StatefulDataLoader 0.11 draw the next epoch's order
-  from a generator state other than the one an uninterrupted run has.
-* ``rerun``: any other loader, a StatefulDataLoader with workers too. The random states its epoch order and augmentations draw from
-  (torch's, Python's and NumPy's global generators and the loader's own ``generator``) are
-  restored to what they were at the epoch's start, and the epoch runs again up to the point
-  without publishing. That is exact when the epoch depends on nothing else; the successor
+  order from its generator; its own state holds neither). At an epoch's start, as for
+  ``rerun``: its state there is only "finished", and loading that makes StatefulDataLoader
+  0.11 draw the next epoch's order from a generator state other than the one an
+  uninterrupted run has.
+* ``rerun``: any other loader, a StatefulDataLoader with workers too. The random states its
+  epoch order and augmentations draw from (torch's, Python's and NumPy's global generators
+  and the loader's own ``generator``) are restored to what they were at the epoch's start,
+  and the epoch runs again up to the point without publishing. That is exact when the epoch depends on nothing else; the successor
   checks it: the batch before the point must have the fingerprint the predecessor recorded.
   If not, it starts the epoch again from its first batch, as a new stream that names the old
   one, and consumers are told how many batches they get again.
@@ -211,9 +212,9 @@ class Tracker:
     ) -> None:
         """Write the state for ``restart_point`` (at most every WRITE_EVERY seconds unless
         ``force``, or the ``consumers`` a successor waits for changed) and forget what no
-        restart can need any more. The caller's thread takes a
-        point under the producer's lock and writes it after: one taken before the I/O thread
-        wrote a joiner's (``joins`` is older) would undo that, so it is not written."""
+        restart can need any more. The caller's thread takes a point under the producer's lock
+        and writes it after: one taken before the I/O thread wrote a joiner's (``joins`` is
+        older) would undo that, so it is not written."""
         now = time.monotonic()
         soon = now - self.last_write < WRITE_EVERY and consumers == self.consumers
         if (not force and soon) or joins < self.joins:

@@ -61,9 +61,7 @@ class State:
     loader: dict[str, Any]
     point: Point
     fingerprints: dict[tuple[int, int], int]  # (epoch, index) -> content fingerprint, from the point - 1 on
-    consumers: (
-        int  # consumers with a position to lose (restart.rejoinable): a successor waits for them to rejoin
-    )
+    consumers: int  # with a position to lose (restart.rejoinable): a successor waits for their rejoins
 
 
 def encode(state: State) -> bytes:
