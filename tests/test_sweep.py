@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -497,3 +498,45 @@ def test_train_shared_from_a_producer(tiny_images: Path) -> None:
     result = _result(proc.stdout)
     assert result["samples"] == 2 * 16 and result["epochs"] == 2
     assert result["loss"] > 0 and result["samples_per_s"] > 0
+
+
+def _stop_a_wave_server(ready: str, out: Any) -> None:
+    """In a spawned child whose stdin is a pipe: the sweep's producer server over a real
+    Producer, told ``stop`` on its stdin once it is ready; what run() left behind."""
+    import logging
+
+    import torch
+
+    from tensorsocket.cli.sweep.producer import _WaveServer
+
+    read, write = os.pipe()
+    os.dup2(read, 0)
+    producer = Producer([torch.zeros(2)] * 4, name=unique_name("wave"), slots=2)
+    server = _WaveServer(producer, 1, 1, logging.getLogger("test"))
+    del producer
+
+    def stop() -> None:
+        wait_until(lambda: os.path.exists(ready), 30, "the ready file")
+        os.write(write, b"stop\n")
+
+    threading.Thread(target=stop, daemon=True).start()
+    code = server.run(1, Path(ready))
+    out.put((code, server.producer is None, server.watcher.is_alive()))
+
+
+def test_the_stdin_thread_neither_outlives_a_stop_nor_holds_the_producer(tmp_path: Path) -> None:
+    """A daemon thread that frees the last reference to a tensor while the interpreter
+    finalizes aborts the process (torch takes the GIL again from C++; Python 3.11 ends the
+    thread with pthread_exit; std::terminate). The stdin thread held the producer through its
+    server: 3 of 30 children stopped right after their ready file exited with SIGABRT
+    ("terminate called without an active exception"). Now run() drops the producer and waits
+    for a stdin thread that woke, so the producer is freed in the main thread."""
+    from tests.support import SPAWN
+
+    out = SPAWN.Queue()
+    child = SPAWN.Process(target=_stop_a_wave_server, args=(str(tmp_path / "ready"), out))
+    child.start()
+    code, dropped, alive = out.get(timeout=60)
+    child.join(timeout=30)
+    assert (code, dropped, alive) == (0, True, False)
+    assert child.exitcode == 0

@@ -101,9 +101,12 @@ class _WaveServer:
         self.reason: str | None = None  # the stream's end reason: SWEEP_GONE on EOF without "stop"
         self.closed = threading.Event()  # the stdin thread is done closing
         self.finished = threading.Event()  # the main thread is done
+        self.watcher = threading.Thread(
+            target=self._watch_parent, name="tensorsocket-sweep-stdin", daemon=True
+        )
 
     def run(self, epochs: int, ready_file: Path) -> int:
-        threading.Thread(target=self._watch_parent, name="tensorsocket-sweep-stdin", daemon=True).start()
+        self.watcher.start()
         self.log.info(
             "producer pid %d on %s: waiting for %d trial(s), %d consumer(s) each",
             os.getpid(),
@@ -118,6 +121,15 @@ class _WaveServer:
             return self._serve(epochs)
         finally:
             self.finished.set()
+            # The stdin thread must not hold the producer as the interpreter finalizes: a
+            # daemon thread that frees the last reference to a tensor then aborts the process
+            # (torch takes the GIL again from C++, Python 3.11 ends the thread with
+            # pthread_exit, and unwinding its C++ frames calls std::terminate: SIGABRT, 9 of
+            # 70 stops). So the main thread drops it, and waits for a stdin thread that woke.
+            with self.lock:
+                self.producer, woke = None, self.stop.is_set()
+            if woke:
+                self.watcher.join(_STUCK_EXIT)
 
     def _serve(self, epochs: int) -> int:
         from ...host import pid_alive
@@ -192,9 +204,10 @@ class _WaveServer:
         with self.lock:
             self.reason = SWEEP_GONE if gone else None
             self.stop.set()
-            close = self.serving
-        if close:  # serve() runs in the main thread: close() from here ends it
-            self.producer.close(reason=self.reason)
+            producer = self.producer if self.serving else None  # (None: the main thread is done)
+        if producer is not None:  # serve() runs in the main thread: close() from here ends it
+            producer.close(reason=self.reason)
+        del producer  # (see run(): before the main thread may finish)
         self.closed.set()
         if not self.finished.wait(_STUCK_EXIT):
             # The main thread is stuck (in the loader, say), and if the sweep is gone nobody
