@@ -21,8 +21,9 @@ How the successor reproduces the stream from there (a :class:`Point`):
 * ``rerun``: any other loader, a StatefulDataLoader with workers too. The random states its
   epoch order and augmentations draw from (torch's, Python's and NumPy's global generators
   and the loader's own ``generator``) are restored to what they were at the epoch's start,
-  and the epoch runs again up to the point without publishing. That is exact when the epoch depends on nothing else; the successor
-  checks it: the batch before the point must have the fingerprint the predecessor recorded.
+  and the epoch runs again up to the point without publishing. That is exact when the epoch
+  depends on nothing else; the successor checks it: the batch before the point must have the
+  fingerprint the predecessor recorded.
   If not, it starts the epoch again from its first batch, as a new stream that names the old
   one, and consumers are told how many batches they get again.
 
@@ -325,11 +326,15 @@ def rejoinable(flow: Flow) -> int:
     """Consumers served with a position to lose: sent something, or rejoined us after what our
     predecessor sent them. Each rejoins a successor after what it received, and the state file
     tells the successor to wait for them; one with nothing goes on with whatever stream it finds."""
-    served = [c for c in flow.consumers.values() if not (c.broken or c.forming)]
-    return len([c for c in served if c.last_sent is not None or c.rejoined])
+    return len([c for c in _served(flow) if c.last_sent is not None or c.rejoined])
 
 
 def rejoined(flow: Flow) -> int:
     """Consumers served that rejoined us after what our predecessor sent them: a successor
     counts these, not new consumers, against the ones its state file names."""
-    return len([c for c in flow.consumers.values() if c.rejoined and not (c.broken or c.forming)])
+    return len([c for c in _served(flow) if c.rejoined])
+
+
+def _served(flow: Flow) -> list[Any]:
+    """The consumers :meth:`Flow.serving` counts: not waiting for their group, not cut off."""
+    return [c for c in flow.consumers.values() if not (c.broken or c.forming)]
