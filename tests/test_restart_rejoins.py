@@ -5,14 +5,18 @@ a ``tensorsocket serve --resume`` successor, trainers spawned."""
 from __future__ import annotations
 
 import os
+import queue
 import re
 import signal
 import time
 from typing import Any
 
-from tensorsocket import Consumer, Producer, TensorSocketError, endpoint
+import zmq
+
+from tensorsocket import Consumer, Producer, TensorSocketError, endpoint, protocol
 from tensorsocket.cli.query import query_status
 from tensorsocket.producer import restart
+from tensorsocket.protocol import Kind
 from tests import restart_pipeline
 from tests.support import SPAWN, wait_until
 from tests.test_restart import EPOCHS, ROWS, _consume, _first_difference, _publish_then_die, _serve
@@ -23,6 +27,29 @@ def _trainer(name: str, label: str, out: Any) -> None:
         _consume(name, {"label": label}, out)
     except TensorSocketError as exc:
         out.put({"options": {"label": label}, "error": f"{type(exc).__name__}: {exc}"})
+
+
+def _trainers_4_batches_in(
+    name: str, labels: tuple[str, ...], die: Any, out: Any
+) -> tuple[Any, dict[str, Any]]:
+    """A resumable producer that SIGKILLs itself at ``die`` after 6 batches, and trainers
+    (``labels``) spawned, once each was sent 4 batches."""
+    first = SPAWN.Process(target=_publish_then_die, args=(name, 6, die))
+    first.start()
+    trainers = {label: SPAWN.Process(target=_trainer, args=(name, label, out)) for label in labels}
+    for p in trainers.values():
+        p.start()
+    state = restart.state_path(endpoint.resolve(name))
+    wait_until(
+        lambda: (
+            state.exists()
+            and restart.read(state).point.index >= 4
+            and restart.read(state).consumers == len(labels)
+        ),
+        60,
+        f"the trainers {labels} to receive 4 batches",
+    )
+    return first, trainers
 
 
 def _joins(log: Any) -> int:
@@ -37,22 +64,8 @@ def test_a_successor_waits_for_its_predecessors_consumers_not_for_a_new_one(name
     here the whole stream went by, and it raised ProducerLost."""
     expected = restart_pipeline.uninterrupted(restart_pipeline.seeded(), EPOCHS)
     die, out = SPAWN.Event(), SPAWN.Queue()
-    first = SPAWN.Process(target=_publish_then_die, args=(name, 6, die))
-    first.start()
-    trainers = {
-        label: SPAWN.Process(target=_trainer, args=(name, label, out)) for label in ("steady", "stopped")
-    }
-    for p in trainers.values():
-        p.start()
+    first, trainers = _trainers_4_batches_in(name, ("steady", "stopped"), die, out)
     address = endpoint.resolve(name)
-    state = restart.state_path(address)
-    wait_until(
-        lambda: (
-            state.exists() and restart.read(state).point.index >= 4 and restart.read(state).consumers == 2
-        ),
-        60,
-        "both trainers to receive 4 batches",
-    )
     os.kill(trainers["stopped"].pid, signal.SIGSTOP)
     log, second, new = tmp_path / "producer.log", None, None
     try:
@@ -205,3 +218,56 @@ def test_a_restored_trainer_that_received_nothing_does_not_stand_in_for_one_that
     assert results["restored"]["seen"] == [i for epoch in expected[1:] for i, _ in epoch]
     text = log.read_text()
     assert f"'restored' (pid {restored.pid}) joined (" in text and "'leader'" in text, text[-3000:]
+
+
+def _killed_after_a_hello(address: str, heard: Any) -> None:
+    """A successor SIGKILLed after it read a trainer's HELLO, before it answered: it takes
+    the name as a producer does, binds, reads until a HELLO comes, and kills itself."""
+    endpoint.lock(address)
+    socket = zmq.Context.instance().socket(zmq.ROUTER)
+    socket.bind(address)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if socket.poll(100) and protocol.decode(socket.recv_multipart()[-1])[0] is Kind.HELLO:
+            heard.set()
+            break
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_trainer_whose_hello_died_with_a_successor_rejoins_the_next_one(name, tmp_path):
+    """The first successor reads the trainer's HELLO and is killed before it answers. The
+    trainer sends its HELLO again when it connects to the next successor, and goes on with
+    the uninterrupted stream. Before, it sent its HELLO once, waited out its `reconnect`
+    (60 s) though the next successor was up, and raised ProducerLost."""
+    die, out, heard = SPAWN.Event(), SPAWN.Queue(), SPAWN.Event()
+    first, trainers = _trainers_4_batches_in(name, ("trainer",), die, out)
+    trainer = trainers["trainer"]
+    address = endpoint.resolve(name)
+    die.set()
+    first.join(timeout=60)
+    assert first.exitcode == -signal.SIGKILL
+    deaf = SPAWN.Process(target=_killed_after_a_hello, args=(address, heard))
+    deaf.start()
+    log, second = tmp_path / "producer.log", None
+    try:
+        assert heard.wait(60), "the trainer sent the first successor no HELLO"
+        deaf.join(timeout=30)
+        assert deaf.exitcode == -signal.SIGKILL
+        second = _serve(name, "seeded", log)
+        try:
+            result = out.get(timeout=45)  # (under the trainer's reconnect: 60 s)
+        except queue.Empty:
+            raise AssertionError(
+                f"the trainer did not rejoin the next successor:\n{log.read_text()[-3000:]}"
+            ) from None
+        assert second.wait(timeout=60) == 0, log.read_text()[-3000:]
+    finally:
+        if second is not None and second.poll() is None:
+            second.kill()
+            second.wait()
+        trainer.kill()
+        trainer.join(timeout=30)
+    expected = restart_pipeline.uninterrupted(restart_pipeline.seeded(), EPOCHS)
+    assert "error" not in result and result["missed"] is None, result
+    assert result["seen"] == expected, _first_difference(result["seen"], expected)
+    assert f"'trainer' (pid {trainer.pid}) rejoined (" in log.read_text(), log.read_text()[-3000:]

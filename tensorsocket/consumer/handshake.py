@@ -10,6 +10,7 @@ import uuid
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from .. import endpoint as endpoints
 from .. import protocol
@@ -22,16 +23,19 @@ from .shared import Settings, Shared
 _STOP_CHECK = 0.05  # seconds between checks for close() while waiting for WELCOME
 
 
-def connect(settings: Settings) -> zmq.Socket:
-    """A DEALER socket with a fresh identity, connecting (zmq retries until a producer binds)."""
+def connect(settings: Settings) -> tuple[zmq.Socket, zmq.Socket]:
+    """A DEALER socket with a fresh identity, connecting (zmq retries until a producer binds),
+    and the monitor that tells join() of each handshake with a producer (made first, so that
+    it sees the first one)."""
     socket = zmq.Context.instance().socket(zmq.DEALER)
+    monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
     socket.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.SNDHWM, 0)
     socket.setsockopt(zmq.RCVHWM, 0)
     socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_REPLY_BYTES)
     socket.connect(endpoints.connect_address(settings.endpoint))
-    return socket
+    return socket, monitor
 
 
 def open_reader_for(welcome: dict[str, Any], settings: Settings) -> Reader:
@@ -45,35 +49,61 @@ def open_reader_for(welcome: dict[str, Any], settings: Settings) -> Reader:
 
 
 def join(
-    socket: zmq.Socket, settings: Settings, resume: list[Any] | None, wait: float, shared: Shared
+    socket: zmq.Socket,
+    monitor: zmq.Socket,
+    settings: Settings,
+    resume: list[Any] | None,
+    wait: float,
+    shared: Shared,
 ) -> dict[str, Any]:
     """Send HELLO (at ``resume``, if any) and return the WELCOME, waiting up to ``wait``
-    seconds (a rejoin waits for a successor to bind; close() ends the wait)."""
-    socket.send(
-        protocol.encode(
-            Kind.HELLO,
-            version=protocol.VERSION,
-            pid=os.getpid(),
-            boot_id=boot_id(),
-            pidns=pid_namespace(),
-            label=settings.label,
-            prefetch=settings.prefetch,
-            timeout=settings.timeout,
-            late_join=settings.late_join,
-            batch_size=settings.batch_size,
-            device=str(settings.device),
-            group=None if settings.group is None else list(settings.group),
-            resume=resume,
-            check_writes=settings.check_writes,
-        )
+    seconds (a rejoin waits for a successor to bind; close() ends the wait). Closes the
+    ``monitor`` that connect() made.
+
+    The HELLO goes out at each ZeroMQ handshake with a producer, not once: one written to a
+    successor that was killed before it answered is lost with it, and the next successor
+    must get its own (a producer ignores a HELLO repeated by a consumer it has welcomed)."""
+    hello = protocol.encode(
+        Kind.HELLO,
+        version=protocol.VERSION,
+        pid=os.getpid(),
+        boot_id=boot_id(),
+        pidns=pid_namespace(),
+        label=settings.label,
+        prefetch=settings.prefetch,
+        timeout=settings.timeout,
+        late_join=settings.late_join,
+        batch_size=settings.batch_size,
+        device=str(settings.device),
+        group=None if settings.group is None else list(settings.group),
+        resume=resume,
+        check_writes=settings.check_writes,
     )
+    try:
+        return _welcome(socket, monitor, hello, settings, wait, shared)
+    finally:
+        socket.disable_monitor()
+        monitor.close(linger=0)
+
+
+def _welcome(
+    socket: zmq.Socket, monitor: zmq.Socket, hello: bytes, settings: Settings, wait: float, shared: Shared
+) -> dict[str, Any]:
+    poller = zmq.Poller()
+    poller.register(socket, zmq.POLLIN)
+    poller.register(monitor, zmq.POLLIN)
     deadline = time.monotonic() + wait
     # Past the deadline, one more slice before giving up: a process frozen across it (SIGSTOP,
     # a debugger) must first let its ZeroMQ I/O thread deliver a WELCOME already sent.
     overdue = False
     while True:
         slice_s = _STOP_CHECK if overdue else min(_STOP_CHECK, max(0.0, deadline - time.monotonic()))
-        if socket.poll(int(slice_s * 1000)):
+        ready = dict(poller.poll(int(slice_s * 1000)))
+        if monitor in ready:
+            recv_monitor_message(monitor)  # a handshake with a producer (a new one, after the first)
+            socket.send(hello)
+            continue
+        if socket in ready:
             break
         shared.io_tick = time.monotonic()  # turning, not frozen (see Batches.catch_up_after_freeze)
         if overdue or shared.stop.is_set():

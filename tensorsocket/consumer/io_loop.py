@@ -38,10 +38,10 @@ _ZMQ_GRACE_MS = 100  # after the producer's end, how long ZeroMQ may take to han
 def run(shared: Shared, settings: Settings, outcome: queue.SimpleQueue[Any]) -> None:
     """The thread's body: join, report the outcome (WELCOME and the reader, or the error)
     to the constructor, then serve until the stream is over or close() stops us."""
-    socket = handshake.connect(settings)
+    socket, monitor = handshake.connect(settings)
     resume = None if settings.resume is None else [*settings.resume, False]
     try:
-        welcome = handshake.join(socket, settings, resume, settings.timeout, shared)
+        welcome = handshake.join(socket, monitor, settings, resume, settings.timeout, shared)
         reader = handshake.open_reader_for(welcome, settings)
         recipes = Recipes(welcome["layouts"])
     except BaseException as exc:
@@ -266,10 +266,11 @@ class ConsumerIo(Inbox):
             # raising ProducerLost after `timeout` (Batches._catch_up_after_freeze).
             self.shared.synced.set()
         log.warning("%s; waiting up to %g s for a producer to continue the stream", why, wait)
-        self.link = self.link.renewed(handshake.connect(self.settings))
+        socket, monitor = handshake.connect(self.settings)
+        self.link = self.link.renewed(socket)
         at = self._ready_at(self.settings.resume)  # (a rejoin only after what it received)
         try:
-            welcome = handshake.join(self.link.socket, self.settings, at, wait, self.shared)
+            welcome = handshake.join(socket, monitor, self.settings, at, wait, self.shared)
         except (ProducerLost, Refused, ProtocolError, ValueError) as exc:
             if self.shared.stop.is_set():
                 return True  # close() was called meanwhile

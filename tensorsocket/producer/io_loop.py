@@ -249,6 +249,8 @@ class IoLoop:
     def _hello(self, cid: bytes, msg: dict[str, Any], now: float) -> None:
         shared, config = self.shared, self.shared.config
         if cid in shared.peers:
+            if shared.peers[cid].pid == msg["pid"]:
+                return  # its HELLO again, sent at a new handshake while the first was queued: welcomed
             raise ProtocolError("HELLO from a consumer that already joined")
         local = same_host(msg["boot_id"], msg["pidns"])
         transport = shared.store.admit(msg, local)
