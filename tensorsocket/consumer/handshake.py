@@ -27,9 +27,12 @@ def connect(settings: Settings) -> tuple[zmq.Socket, zmq.Socket]:
     """A DEALER socket with a fresh identity, connecting (zmq retries until a producer binds),
     and the monitor that tells join() of each handshake with a producer (made first, so that
     it sees the first one)."""
+    identity = uuid.uuid4()
     socket = zmq.Context.instance().socket(zmq.DEALER)
-    monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
-    socket.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
+    # (a name of its own: pyzmq's default is named by the socket's fd, which a later socket
+    # reuses, and an inproc name is unbound by ZeroMQ's reaper thread, later than close())
+    monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED, f"inproc://hello-{identity.hex}")
+    socket.setsockopt(zmq.ROUTING_ID, identity.bytes)
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.SNDHWM, 0)
     socket.setsockopt(zmq.RCVHWM, 0)
