@@ -21,7 +21,7 @@ import msgpack
 from .errors import ProtocolError
 from .options import STRAGGLERS
 
-VERSION = 11
+VERSION = 12
 #: Largest frame a consumer may send; the producer also sets ZMQ_MAXMSGSIZE to this.
 MAX_REQUEST_BYTES = 64 * 1024
 #: Largest frame a producer may send (a BATCH whose layout has very many leaves).

@@ -76,6 +76,7 @@ class ProducerStatus(TypedDict):
     replay_batches: int  # the most batches the replay budget keeps (sized at the first batch; 0 before)
     replay_budget_bytes: int
     starts_with: int | None  # before the first batch: the consumers it waits for; None once started
+    preparing: str | None  # a successor bringing its loader to the restart point: how far; else None
     kept_batches: int  # batches kept for replay now, where the loader made them (in a place or not)
     resident_batches: int  # published batches still in a place
     slot_bytes: int  # bytes of arenas allocated
@@ -239,6 +240,8 @@ def bottleneck(status: ProducerStatus, previous: ProducerStatus | None = None) -
     if status["ended"]:
         return "none: the stream has ended"
     if not status["published"]:
+        if status["preparing"]:
+            return f"none yet: {status['preparing']} (the trainers' HELLOs are answered once it is there)"
         if status["starts_with"] is not None:
             return (
                 f"none yet: the stream starts once {status['starts_with']} consumer(s) joined (min_consumers, or "

@@ -14,31 +14,38 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 class Augmented(Dataset):
     """Sample i is (i, two random numbers): ids to check exactness, noise to check that the
-    random states were restored too."""
+    random states were restored too. Each of the first ``slow_for`` samples taken (all: None)
+    takes ``delay`` seconds."""
 
-    def __init__(self, n: int, delay: float) -> None:
-        self.n, self.delay = n, delay
+    def __init__(self, n: int, delay: float, slow_for: int | None = None) -> None:
+        self.n, self.delay, self.slow_for, self.taken = n, delay, slow_for, 0
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int) -> Any:
-        if self.delay:
+        if self.delay and (self.slow_for is None or self.taken < self.slow_for):
             time.sleep(self.delay)
+        self.taken += 1
         return torch.tensor(i), torch.rand(2)
 
 
-def _shuffled(kind: Any, n: int, batch_size: int, delay: float, seed: int) -> Any:
+def _shuffled(
+    kind: Any, n: int, batch_size: int, delay: float, seed: int, slow_for: int | None = None
+) -> Any:
     """A loader of ``kind`` whose order depends only on its seeded generator (and whose
     augmentations only on the seeded global one)."""
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
-    return kind(Augmented(n, delay), batch_size=batch_size, shuffle=True, generator=generator)
+    return kind(Augmented(n, delay, slow_for), batch_size=batch_size, shuffle=True, generator=generator)
 
 
-def seeded(n: int = 96, batch_size: int = 4, delay: float = 0.0, seed: int = 7) -> DataLoader:
-    """A plain DataLoader: a restart runs the epoch again up to where it was."""
-    return _shuffled(DataLoader, n, batch_size, delay, seed)
+def seeded(
+    n: int = 96, batch_size: int = 4, delay: float = 0.0, seed: int = 7, slow_for: int | None = None
+) -> DataLoader:
+    """A plain DataLoader: a restart runs the epoch again up to where it was (a successor's
+    rerun made slow with ``slow_for``: its first samples)."""
+    return _shuffled(DataLoader, n, batch_size, delay, seed, slow_for)
 
 
 def stateful(n: int = 96, batch_size: int = 4, delay: float = 0.0, seed: int = 7) -> Any:

@@ -604,7 +604,7 @@ def _consumer(label: str, **fields: Any) -> dict[str, Any]:
 def _status(**fields: Any) -> dict[str, Any]:
     base = {
         "endpoint": "ipc:///x.sock", "pid": 42, "uptime_s": 10.0, "slots": 4, "places": 12,
-        "replay_batches": 8, "replay_budget_bytes": 1 << 30, "starts_with": None, "kept_batches": 8,
+        "replay_batches": 8, "replay_budget_bytes": 1 << 30, "starts_with": None, "preparing": None, "kept_batches": 8,
         "resident_batches": 12,
         "slot_bytes": 12 << 20, "stragglers": "stall", "max_lag": None, "epoch": 1, "next_seq": 20,
         "ended": False, "batches_per_epoch": 16, "samples_per_epoch": 512, "published": 18,

@@ -31,7 +31,7 @@ def _consume(name: str, options: dict[str, Any], out: Any, first: Any = None) ->
     ``first`` (two events), holding its first batch it sets the first and waits for the
     second: it was sent no more than its prefetch when the producer died."""
     seen: list[list[Any]] = []
-    with Consumer(name=name, timeout=5.0, reconnect=60.0, **options) as consumer:
+    with Consumer(name=name, **{"timeout": 5.0, "reconnect": 60.0, **options}) as consumer:
         while not consumer.finished:
             epoch = []
             for ids, noise in consumer:

@@ -8,35 +8,46 @@ import os
 import queue
 import re
 import signal
+import threading
 import time
 from typing import Any
 
+import pytest
+import torch
 import zmq
 
-from tensorsocket import Consumer, Producer, TensorSocketError, endpoint, protocol
-from tensorsocket.cli.query import query_status
+from tensorsocket import Consumer, Producer, Refused, StateFileError, TensorSocketError, endpoint, protocol
+from tensorsocket.cli.query import NoProducer, query_status
 from tensorsocket.producer import restart
 from tensorsocket.protocol import Kind
 from tests import restart_pipeline
 from tests.support import SPAWN, wait_until
-from tests.test_restart import EPOCHS, ROWS, _consume, _first_difference, _publish_then_die, _serve
+from tests.test_restart import (
+    EPOCHS,
+    ROWS,
+    _consume,
+    _first_difference,
+    _publish_then_die,
+    _serve,
+    _state_of_a_run,
+)
 
 
-def _trainer(name: str, label: str, out: Any) -> None:
+def _trainer(name: str, label: str, out: Any, options: dict[str, Any] | None = None) -> None:
     try:
-        _consume(name, {"label": label}, out)
+        _consume(name, {"label": label, **(options or {})}, out)
     except TensorSocketError as exc:
         out.put({"options": {"label": label}, "error": f"{type(exc).__name__}: {exc}"})
 
 
 def _trainers_4_batches_in(
-    name: str, labels: tuple[str, ...], die: Any, out: Any
+    name: str, labels: tuple[str, ...], die: Any, out: Any, options: dict[str, Any] | None = None
 ) -> tuple[Any, dict[str, Any]]:
     """A resumable producer that SIGKILLs itself at ``die`` after 6 batches, and trainers
-    (``labels``) spawned, once each was sent 4 batches."""
+    (``labels``, with Consumer ``options``) spawned, once each was sent 4 batches."""
     first = SPAWN.Process(target=_publish_then_die, args=(name, 6, die))
     first.start()
-    trainers = {label: SPAWN.Process(target=_trainer, args=(name, label, out)) for label in labels}
+    trainers = {label: SPAWN.Process(target=_trainer, args=(name, label, out, options)) for label in labels}
     for p in trainers.values():
         p.start()
     state = restart.state_path(endpoint.resolve(name))
@@ -271,3 +282,86 @@ def test_a_trainer_whose_hello_died_with_a_successor_rejoins_the_next_one(name, 
     assert "error" not in result and result["missed"] is None, result
     assert result["seen"] == expected, _first_difference(result["seen"], expected)
     assert f"'trainer' (pid {trainer.pid}) rejoined (" in log.read_text(), log.read_text()[-3000:]
+
+
+def _successor(name: str, go: Any, delay: float, slow_for: int) -> None:
+    """A ``resume=True`` producer made (torch imported, loader built) before ``go``, so that
+    it binds a moment after it: the first ``slow_for`` samples it pulls take ``delay`` each."""
+    loader = restart_pipeline.seeded(delay=delay, slow_for=slow_for)
+    assert go.wait(60)
+    Producer(loader, name=name, resume=True, slots=4).serve(epochs=EPOCHS)
+
+
+def _preparing(address: str) -> str | None:
+    try:
+        return query_status(address, 1)["preparing"]
+    except NoProducer:  # (not bound yet)
+        return None
+
+
+def test_a_trainer_waits_for_a_successor_whose_rerun_outlasts_its_reconnect(name):
+    """A plain DataLoader's successor runs the epoch again up to the restart point before it
+    publishes: here about 5 s (its first 24 samples take 0.25 s each), longer than the
+    trainer's `reconnect` (2 s). It binds first and holds the trainer's HELLO meanwhile,
+    sending it heartbeats; its status says what it does. The trainer waits, then sees the
+    uninterrupted stream. Before, the successor bound only after the rerun, and the trainer
+    raised ProducerLost 2 s after its producer died."""
+    die, out, go = SPAWN.Event(), SPAWN.Queue(), SPAWN.Event()
+    first, trainers = _trainers_4_batches_in(name, ("trainer",), die, out, {"reconnect": 2.0})
+    second = SPAWN.Process(target=_successor, args=(name, go, 0.25, 24))
+    second.start()
+    address = endpoint.resolve(name)
+    try:
+        die.set()
+        first.join(timeout=60)
+        assert first.exitcode == -signal.SIGKILL
+        go.set()
+        said = wait_until(lambda: _preparing(address), 30, "the successor to say it prepares")
+        assert said.startswith("resuming stream ") and ": running epoch 0 again up to batch " in said, said
+        result = out.get(timeout=90)
+        assert "error" not in result, result
+        second.join(timeout=60)
+        assert second.exitcode == 0
+    finally:
+        for p in (second, *trainers.values()):
+            p.kill()
+            p.join(timeout=30)
+    expected = restart_pipeline.uninterrupted(restart_pipeline.seeded(), EPOCHS)
+    assert "error" not in result and result["missed"] is None, result
+    assert result["seen"] == expected, _first_difference(result["seen"], expected)
+
+
+class _Shifted(restart_pipeline.Augmented):
+    """Another dataset of the same length: ids from 1000."""
+
+    def __getitem__(self, i: int) -> Any:
+        ids, noise = super().__getitem__(i)
+        return ids + 1000, noise
+
+
+def test_a_consumer_held_by_a_successor_that_cannot_resume_is_told_why(name):
+    """A StatefulDataLoader's successor over another dataset of the same length cannot resume:
+    its loaded state gives another batch at the restart point. A consumer whose HELLO it held
+    while it loaded and checked (0.8 s: its samples are slow) is refused with that reason,
+    and the constructor raises StateFileError."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    _state_of_a_run(name, restart_pipeline.stateful(), 5)
+    other = StatefulDataLoader(_Shifted(96, 0.2), batch_size=4, shuffle=True, generator=torch.Generator())
+    told: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
+
+    def join() -> None:
+        try:
+            Consumer(name=name, timeout=30.0).close()
+            told.put(None)
+        except TensorSocketError as exc:
+            told.put(exc)
+
+    joiner = threading.Thread(target=join)
+    joiner.start()  # (it connects at once, and ZeroMQ retries until the successor binds)
+    with pytest.raises(StateFileError, match="gives batch 4 of epoch 0 other than before the restart"):
+        Producer(other, name=name, resume=True)
+    joiner.join(timeout=30)
+    error = told.get(timeout=1)
+    assert isinstance(error, Refused), error
+    assert "could not resume its stream" in str(error) and "other than before the restart" in str(error)

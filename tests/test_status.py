@@ -45,7 +45,7 @@ def consumer(label: str, **fields: Any) -> ConsumerStatus:
 def producer(**fields: Any) -> ProducerStatus:
     base: dict[str, Any] = {
         "endpoint": "ipc:///x.sock", "pid": 42, "uptime_s": 10.0, "slots": 4, "places": 12,
-        "replay_batches": 8, "replay_budget_bytes": 1 << 30, "starts_with": None, "kept_batches": 8,
+        "replay_batches": 8, "replay_budget_bytes": 1 << 30, "starts_with": None, "preparing": None, "kept_batches": 8,
         "resident_batches": 12,
         "slot_bytes": 12 << 20, "transport": "shm", "device": "cpu", "gpu_mib": None, "stragglers": "stall",
         "max_lag": None, "epoch": 1, "next_seq": 20, "ended": False, "batches_per_epoch": 16,

@@ -4,6 +4,7 @@ WELCOME names. Used by the I/O thread when it starts and when it rejoins a succe
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import uuid
@@ -19,6 +20,8 @@ from ..host import boot_id, pid_namespace
 from ..protocol import Kind
 from ..transport import Reader, open_reader
 from .shared import Settings, Shared
+
+log = logging.getLogger("tensorsocket")
 
 _STOP_CHECK = 0.05  # seconds between checks for close() while waiting for WELCOME
 
@@ -98,7 +101,7 @@ def _welcome(
     deadline = time.monotonic() + wait
     # Past the deadline, one more slice before giving up: a process frozen across it (SIGSTOP,
     # a debugger) must first let its ZeroMQ I/O thread deliver a WELCOME already sent.
-    overdue = False
+    overdue, preparing = False, False
     while True:
         slice_s = _STOP_CHECK if overdue else min(_STOP_CHECK, max(0.0, deadline - time.monotonic()))
         ready = dict(poller.poll(int(slice_s * 1000)))
@@ -107,16 +110,29 @@ def _welcome(
             socket.send(hello)
             continue
         if socket in ready:
-            break
+            kind, msg = protocol.decode(socket.recv(), protocol.MAX_REPLY_BYTES)
+            if kind is not Kind.HEARTBEAT:
+                break
+            # A successor holds our HELLO while it brings its loader to the restart point
+            # (producer/successor.py): it lives, so we wait on, up to `timeout` past each beat.
+            if not preparing:
+                log.info(
+                    "the producer at %s is preparing its stream (a restart); waiting for it",
+                    settings.endpoint,
+                )
+            preparing, overdue = True, False
+            deadline = max(deadline, time.monotonic() + settings.timeout)
+            continue
         shared.io_tick = time.monotonic()  # turning, not frozen (see Batches.catch_up_after_freeze)
         if overdue or shared.stop.is_set():
+            silent = f"went silent for {settings.timeout:g} s while it prepared its stream"
             raise ProducerLost(
                 endpoints.silent_holder(settings.endpoint, wait)
+                or (f"the producer at {settings.endpoint} {silent}" if preparing else None)
                 or f"no producer answered at {settings.endpoint} within {wait:g} s; start one with "
                 "Producer(loader, name=...) or check the name / endpoint"
             )
         overdue = time.monotonic() >= deadline
-    kind, msg = protocol.decode(socket.recv(), protocol.MAX_REPLY_BYTES)
     if kind is Kind.WELCOME:
         return msg
     if kind in (Kind.ERROR, Kind.EVICTED):

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from .. import endpoint as endpoints
-from ..errors import Closed, IoThreadDied, StateFileError, TensorSocketError
+from ..errors import Closed, IoThreadDied, TensorSocketError
 from ..flow import Flow
 from ..options import STRAGGLERS, default_max_lag
 from ..pooled_collate import LoaderPool
@@ -23,7 +23,7 @@ from ..rebatch import batch_length
 from ..status import ProducerStatus
 from ..transport import Store, open_store
 from ..wakeup import Wakeup, stop_loop
-from . import restart
+from . import restart, successor
 from .io_loop import IoLoop
 from .publisher import Publisher
 from .shared import Config, Shared
@@ -102,14 +102,14 @@ class Producer:
         self._lock_file = endpoints.lock(self.endpoint)
         try:
             pool = LoaderPool(loader)
-            tracker, resumed = self._resume(resume, pool)  # (a rerun pulls from the loader: before the bind)
+            begun = successor.begin(
+                loader, self.endpoint, resume, self.batches_per_epoch, self.samples_per_epoch
+            )
             store = open_store(device)
         except BaseException:
             self._release_lock()
             raise
         self.device = store.device
-        if resumed is not None:
-            flow.start_at(resumed.epoch, resumed.first_seq, resumed.index)
         config = Config(
             self.endpoint,
             slots,
@@ -118,11 +118,11 @@ class Producer:
             max_lag,
             self.batches_per_epoch,
             self.samples_per_epoch,
-            uuid.uuid4().hex if tracker is None else tracker.stream,
-            None if resumed is None else resumed.restarted,
+            uuid.uuid4().hex if begun is None else begun.stream,
+            None,
         )
         self._shared = Shared(config, flow, store)
-        self._shared.tracker = tracker
+        self._shared.preparing = None if begun is None else begun.preparing
         self._io = IoLoop(self._shared, self.endpoint, owner=self)
         try:
             bound = self._io.start()
@@ -134,6 +134,7 @@ class Producer:
         if bound != self.endpoint:  # a tcp ":*" endpoint: the port the OS picked
             self.endpoint = bound
             self._shared.config = dataclasses.replace(config, endpoint=bound)
+        tracker, resumed = self._prepare(begun, pool)
         self._publisher = Publisher(self._shared, self._io, pool, min_consumers, grace, tracker, resumed)
         self._closed = False
         # If close() is never called (a script without `with` that raises): at exit, stop the
@@ -151,43 +152,35 @@ class Producer:
                 self.endpoint,
             )
 
-    def _resume(
-        self, resume: bool, pool: LoaderPool
+    def _prepare(
+        self, begun: successor.Begun | None, pool: LoaderPool
     ) -> tuple[restart.Tracker | None, restart.Resumed | None]:
-        """With ``resume``: the state file's tracker, and where the predecessor's stream goes
-        on (None: there is none, so a fresh stream begins). StateFileError for a state file
-        that is damaged or was saved over another loader: never a wrong resume."""
-        if not resume:  # a fresh stream on this name: an older state must not be resumed later
-            if not self.endpoint.endswith(":*"):
-                restart.remove(restart.state_path(self.endpoint))
+        """A resuming producer's loader brought to its restart point, bound meanwhile (see
+        :mod:`.successor`); on failure the HELLOs held are answered with the error, and the
+        name is given up."""
+        if begun is None:
             return None, None
-        path = restart.state_path(self.endpoint)
-        description = restart.describe(self.loader, self.batches_per_epoch, self.samples_per_epoch)
-        try:  # (its own ValueErrors say what is wrong already)
-            state = restart.read(path)
-            resumed = None
-            if state is not None:
-                restart.check_matches(state, description, path)
-                resumed = restart.resume(self.loader, state, uuid.uuid4().hex, pool)
-        except ValueError as exc:
-            said = str(exc) if "fresh stream" in str(exc) else f"{exc}: remove it to begin a fresh stream"
-            raise StateFileError(said) from None
-        except (TypeError, AttributeError, KeyError, IndexError, RuntimeError) as exc:
-            raise StateFileError(
-                f"the state file {path} could not be applied ({type(exc).__name__}: {exc}): remove it "
-                "to begin a fresh stream"
-            ) from exc
-        if state is not None:
-            log.info(
-                "resuming stream %s of %s at batch %d of epoch %d (%s)",
-                state.stream, self.endpoint, resumed.index, resumed.epoch,
-                "starting that epoch again" if resumed.restarted
-                else f"{description['mode']}; {state.consumers} consumer(s) to rejoin first",
-            )  # fmt: skip
-        stream = uuid.uuid4().hex if resumed is None else resumed.stream
-        tracker = restart.Tracker(path, self.loader, description, stream)
-        if resumed is not None:
-            tracker.resumed(resumed)
+        shared = self._shared
+        preparing = begun.preparing
+
+        def progress(pulled: int) -> None:
+            if preparing is not None:  # (else it answers HELLOs already)
+                shared.preparing = f"{preparing}: {pulled} pulled"
+
+        try:
+            tracker, resumed = successor.finish(self.loader, begun, pool, progress)
+        except BaseException as exc:
+            with shared.changed:
+                successor.refuse_held(shared, f"the producer could not resume its stream: {exc}")
+            stop_loop(shared.stop, shared.wakeup, self._io.thread)
+            with shared.changed:
+                shared.store.close()
+            shared.wakeup.close()
+            shared.publisher_wakeup.close()
+            self._release_lock()
+            raise
+        with shared.changed:
+            successor.settle(shared, resumed, tracker)
         return tracker, resumed
 
     # ------------------------------------------------------------------ public API

@@ -23,6 +23,7 @@ from ..errors import ProtocolError
 from ..flow import LateJoin, Membership, Tail
 from ..host import boot_id, pid_alive, pid_namespace, same_host
 from ..protocol import Kind
+from . import successor
 from .room import check_group_fits, evict_group_that_does_not_fit
 from .session_turns import HANDOVER, publisher_turn
 from .sessions import QUEUE_PER_PEER, Sessions, send_zmq
@@ -224,7 +225,9 @@ class IoLoop:
         elif kind is Kind.STATUS:
             shared.post(cid, protocol.encode(Kind.STATUS, status=shared.status()))
         elif peer is None:
-            if kind is not Kind.BYE:
+            if kind is Kind.BYE:
+                shared.held.pop(cid, None)  # (one that gave up waiting for its WELCOME)
+            else:
                 reason = "unknown consumer: it was evicted or never joined"
                 shared.post(cid, protocol.encode(Kind.EVICTED, reason=reason))
         elif kind is Kind.READY:
@@ -248,6 +251,8 @@ class IoLoop:
 
     def _hello(self, cid: bytes, msg: dict[str, Any], now: float) -> None:
         shared, config = self.shared, self.shared.config
+        if shared.preparing is not None:  # (answered once the loader is at the restart point)
+            return successor.hold(shared, cid, msg)
         if cid in shared.peers:
             if shared.peers[cid].pid == msg["pid"]:
                 return  # its HELLO again, sent at a new handshake while the first was queued: welcomed
@@ -319,6 +324,8 @@ class IoLoop:
     def _check_peers(self, now: float) -> None:
         shared = self.shared
         with shared.changed:
+            if shared.held or shared.preparing is not None:
+                successor.serve_held(shared, now, self._hello)
             for cid, peer in list(shared.peers.items()):
                 if peer.local and not pid_alive(peer.pid):
                     self.drop(cid, "died; evicted")

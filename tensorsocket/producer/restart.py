@@ -42,7 +42,7 @@ import random
 import threading
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -264,13 +264,20 @@ class Resumed:
     restarted: list[Any] | None = None  # [old stream, epoch]: the epoch starts again, as a new stream
 
 
-def resume(loader: Any, state: State, new_stream: str, pool: LoaderPool) -> Resumed:
+def resume(
+    loader: Any,
+    state: State,
+    new_stream: str,
+    pool: LoaderPool,
+    progress: Callable[[int], None] | None = None,
+) -> Resumed:
     """Make ``loader`` continue the stream ``state`` describes (see the module docstring): load
     its state, or restore the random states and run the epoch again up to the point, checking
     the batch before it (a batch at the point that was published is pulled and checked too).
     A rerun whose batch differs starts the epoch again as ``new_stream``; a stateful loader
     whose batch differs raises ValueError. The iterator is opened through ``pool`` (its workers
-    keep the collate they start with, for the producer's life)."""
+    keep the collate they start with, for the producer's life). ``progress``: told the
+    batches pulled so far, after each."""
     p, stateful = state.point, state.loader["mode"] == STATEFUL
     out = Resumed(state.stream, p.epoch, p.first_seq, p.index, p.rng, state.consumers, state.fingerprints)
     out.loader_state = p.loader_state
@@ -302,6 +309,8 @@ def resume(loader: Any, state: State, new_stream: str, pool: LoaderPool) -> Resu
         plan = layout.plan(last)  # (the last one's is checked below)
         pool.pulled(plan.sources)
         pulled += 1
+        if progress is not None:
+            progress(pulled)
     if pulled == wanted and (expected is None or content_fingerprint(plan) == expected):
         out.iterator = it
         out.pending = [last] if checked[1] == p.index and last is not None else []

@@ -23,6 +23,9 @@ is read and written under ``changed`` (a Condition over one lock), except where 
   taken after this one): the caller's thread writes it as it publishes, the I/O thread when a
   join moves the restart point back (:meth:`Shared.send_joined`); ``joins`` counts those,
   ``taken`` is the point last taken for it (the publishing thread writes its own after).
+* ``preparing``, ``held``, ``held_beat``: a successor bringing its loader to the restart
+  point (:mod:`.successor`): the caller's thread sets ``preparing`` (without the lock while
+  it only reports progress) and clears it; the I/O thread keeps the HELLOs it holds meanwhile.
 * ``stop``: an Event, set by close() from any thread; ``wakeup``: any thread pokes it.
 * ``publisher_at``, ``publisher_polling``: the caller's thread's turn at the consumers'
   sessions (:mod:`.session_turns`): while it lasts, the I/O thread reads them only for what
@@ -124,6 +127,9 @@ class Shared:
         # a restart); None once the stream started. WELCOME and status() say it.
         self.starts_with: int | None = None
         self.tracker: Tracker | None = None
+        self.preparing: str | None = None  # what a successor does before it answers a HELLO
+        self.held: dict[Hashable, dict[str, Any]] = {}  # the HELLOs it holds meanwhile, by sender
+        self.held_beat = 0.0  # when it last sent their senders a heartbeat
         self.joins = 0  # joins that moved the restart point back (orders the state file's writes)
         self.taken = 0  # the restart point restart_where() last gave
         # loader_wait: in next(loader); slot_wait: for the slowest consumer to free a place;
@@ -332,6 +338,7 @@ class Shared:
             "places": flow.place_count,
             "replay_batches": self.replay_batches,
             "starts_with": self.starts_with,
+            "preparing": self.preparing,
             "replay_budget_bytes": config.replay,
             "kept_batches": flow.kept(),
             "resident_batches": flow.resident(),

@@ -1,0 +1,157 @@
+"""A producer started with ``resume=True``: the state file read and checked before it binds
+its name, the loader brought back to the restart point after.
+
+A rerun (any loader without a state of its own: see :mod:`.restart`) runs the epoch again up
+to the point, which takes up to the time the epoch took to get there: minutes, for a large
+epoch. Were the name bound only after it, its trainers would have to give ``reconnect`` that
+long. So the successor binds first, and while it is *preparing* its I/O thread holds each
+HELLO it gets and sends a heartbeat to its sender every second: a consumer waiting for a
+WELCOME waits on while heartbeats come (up to its ``timeout`` after the last). Once the
+loader is there, the HELLOs are answered in the order they came, on the stream as the rerun
+left it (a new one if the loader did not repeat the epoch). If the rerun fails, each is
+answered with the error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .. import protocol
+from ..errors import StateFileError
+from ..host import pid_alive, same_host
+from ..pooled_collate import LoaderPool
+from ..protocol import Kind
+from . import restart
+from .shared import Shared
+
+log = logging.getLogger("tensorsocket")
+
+HEARTBEAT_EVERY = 1.0  # seconds between heartbeats to a consumer whose HELLO is held
+
+
+@dataclass
+class Begun:
+    """What a resuming producer knows before it binds: the state file, and what it read there
+    (``state`` None: there was none, so a fresh stream begins)."""
+
+    endpoint: str
+    path: Path
+    description: dict[str, Any]
+    state: restart.State | None
+    stream: str  # the stream consumers rejoin (a rerun that finds another epoch makes a new one)
+
+    @property
+    def preparing(self) -> str | None:
+        """What the successor does before it can answer a HELLO, for status(); None: nothing."""
+        p = None if self.state is None else self.state.point
+        if p is None or p.ended:
+            return None
+        if self.description["mode"] == restart.STATEFUL:
+            return f"resuming stream {self.stream}: loading its loader's state at batch {p.index} of epoch {p.epoch}"
+        return f"resuming stream {self.stream}: running epoch {p.epoch} again up to batch {p.index}"
+
+
+@contextlib.contextmanager
+def _state_file_errors(path: Path) -> Iterator[None]:
+    """A state file that cannot be applied as a StateFileError naming it: never a wrong resume."""
+    try:
+        yield
+    except ValueError as exc:  # (its own ValueErrors say what is wrong already)
+        said = str(exc) if "fresh stream" in str(exc) else f"{exc}: remove it to begin a fresh stream"
+        raise StateFileError(said) from None
+    except (TypeError, AttributeError, KeyError, IndexError, RuntimeError) as exc:
+        raise StateFileError(
+            f"the state file {path} could not be applied ({type(exc).__name__}: {exc}): remove it "
+            "to begin a fresh stream"
+        ) from exc
+
+
+def begin(loader: Any, endpoint: str, resume: bool, batches: int | None, samples: int | None) -> Begun | None:
+    """Before the bind: with ``resume``, the state file read and checked against ``loader``;
+    without, the file removed (a fresh stream on this name: an older state must not be
+    resumed later) and None."""
+    if not resume:
+        if not endpoint.endswith(":*"):
+            restart.remove(restart.state_path(endpoint))
+        return None
+    path = restart.state_path(endpoint)
+    description = restart.describe(loader, batches, samples)
+    with _state_file_errors(path):
+        state = restart.read(path)
+        if state is not None:
+            restart.check_matches(state, description, path)
+    return Begun(endpoint, path, description, state, uuid.uuid4().hex if state is None else state.stream)
+
+
+def finish(
+    loader: Any, begun: Begun, pool: LoaderPool, progress: Callable[[int], None] | None = None
+) -> tuple[restart.Tracker, restart.Resumed | None]:
+    """After the bind: the loader brought to where the stream goes on (``progress``: called
+    with the batches pulled so far), and the tracker that keeps the state file from here."""
+    state, resumed = begun.state, None
+    if state is not None:
+        with _state_file_errors(begun.path):
+            resumed = restart.resume(loader, state, uuid.uuid4().hex, pool, progress)
+        log.info(
+            "resuming stream %s of %s at batch %d of epoch %d (%s)",
+            state.stream, begun.endpoint, resumed.index, resumed.epoch,
+            "starting that epoch again" if resumed.restarted
+            else f"{begun.description['mode']}; {state.consumers} consumer(s) to rejoin first",
+        )  # fmt: skip
+    stream = begun.stream if resumed is None else resumed.stream
+    tracker = restart.Tracker(begun.path, loader, begun.description, stream)
+    if resumed is not None:
+        tracker.resumed(resumed)
+    return tracker, resumed
+
+
+# ---------------------------------------------------------------------- the I/O thread's part
+
+
+def hold(shared: Shared, cid: Hashable, msg: dict[str, Any]) -> None:
+    """A HELLO while the producer prepares (lock held): kept, and its sender told we live."""
+    shared.held[cid] = msg
+    shared.post(cid, protocol.encode(Kind.HEARTBEAT))
+
+
+def serve_held(shared: Shared, now: float, hello: Callable[[Hashable, dict[str, Any], float], None]) -> None:
+    """The HELLOs held (lock held): a heartbeat to each sender every second while the producer
+    prepares; once it is ready, each answered by ``hello`` in the order they came (those of
+    consumers on this host that died meanwhile dropped: they would only be evicted)."""
+    if shared.preparing is not None:
+        if now - shared.held_beat >= HEARTBEAT_EVERY:
+            shared.held_beat = now
+            for cid in shared.held:
+                shared.post(cid, protocol.encode(Kind.HEARTBEAT))
+        return
+    held, shared.held = shared.held, {}
+    for cid, msg in held.items():
+        if not same_host(msg["boot_id"], msg["pidns"]) or pid_alive(msg["pid"]):
+            hello(cid, msg, now)
+
+
+def refuse_held(shared: Shared, reason: str) -> None:
+    """The producer could not prepare (lock held): each held HELLO answered with ``reason``."""
+    held, shared.held = shared.held, {}
+    for cid in held:
+        shared.post(cid, protocol.encode(Kind.ERROR, reason=reason[:4000]))
+
+
+def settle(shared: Shared, resumed: restart.Resumed | None, tracker: restart.Tracker) -> None:
+    """The loader is at the restart point (lock held): the flow starts there, the WELCOME names
+    the stream as the rerun left it, and the I/O thread answers the HELLOs held."""
+    if resumed is not None:
+        shared.flow.start_at(resumed.epoch, resumed.first_seq, resumed.index)
+        shared.config = dataclasses.replace(shared.config, stream=resumed.stream, restarted=resumed.restarted)
+    shared.tracker = tracker
+    shared.preparing = None
+    shared.held_beat = time.monotonic()
+    shared.wakeup.wake()
