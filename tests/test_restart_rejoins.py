@@ -16,12 +16,24 @@ import pytest
 import torch
 import zmq
 
-from tensorsocket import Consumer, Producer, Refused, StateFileError, TensorSocketError, endpoint, protocol
+from tensorsocket import (
+    Consumer,
+    Producer,
+    ProducerLost,
+    Refused,
+    StateFileError,
+    TensorSocketError,
+    endpoint,
+    protocol,
+)
 from tensorsocket.cli.query import NoProducer, query_status
+from tensorsocket.consumer import handshake
+from tensorsocket.consumer.shared import Shared as ConsumerShared
 from tensorsocket.producer import restart
 from tensorsocket.protocol import Kind
 from tests import restart_pipeline
 from tests.support import SPAWN, wait_until
+from tests.test_malformed import dealer, hello, receive
 from tests.test_restart import (
     EPOCHS,
     ROWS,
@@ -305,12 +317,15 @@ def test_a_trainer_waits_for_a_successor_whose_rerun_outlasts_its_reconnect(name
     trainer's `reconnect` (2 s). It binds first and holds the trainer's HELLO meanwhile,
     sending it heartbeats; its status says what it does. The trainer waits, then sees the
     uninterrupted stream. Before, the successor bound only after the rerun, and the trainer
-    raised ProducerLost 2 s after its producer died."""
+    raised ProducerLost 2 s after its producer died. A HELLO it held and then refuses (a
+    consumer on another host) is answered with the reason, as one not held is (before, it
+    ended the successor's I/O thread)."""
     die, out, go = SPAWN.Event(), SPAWN.Queue(), SPAWN.Event()
     first, trainers = _trainers_4_batches_in(name, ("trainer",), die, out, {"reconnect": 2.0})
     second = SPAWN.Process(target=_successor, args=(name, go, 0.25, 24))
     second.start()
     address = endpoint.resolve(name)
+    remote = dealer(address)
     try:
         die.set()
         first.join(timeout=60)
@@ -318,11 +333,15 @@ def test_a_trainer_waits_for_a_successor_whose_rerun_outlasts_its_reconnect(name
         go.set()
         said = wait_until(lambda: _preparing(address), 30, "the successor to say it prepares")
         assert said.startswith("resuming stream ") and ": running epoch 0 again up to batch " in said, said
+        remote.send(protocol.encode(Kind.HELLO, **hello(boot_id="another-host", label="remote")))
+        _, refused = receive(remote, {Kind.ERROR, Kind.WELCOME}, timeout=60)
+        assert "another host" in refused["reason"], refused
         result = out.get(timeout=90)
         assert "error" not in result, result
         second.join(timeout=60)
         assert second.exitcode == 0
     finally:
+        remote.close()
         for p in (second, *trainers.values()):
             p.kill()
             p.join(timeout=30)
@@ -365,3 +384,52 @@ def test_a_consumer_held_by_a_successor_that_cannot_resume_is_told_why(name):
     error = told.get(timeout=1)
     assert isinstance(error, Refused), error
     assert "could not resume its stream" in str(error) and "other than before the restart" in str(error)
+
+
+def test_a_trainer_held_by_a_successor_stopped_while_it_prepares_waits_for_the_next_one(name, tmp_path):
+    """SIGINT to a `serve --resume` successor in the middle of its rerun: it ends (exit 130)
+    and keeps the state file; the trainer whose HELLO it held is not refused (an interrupt
+    is no reason to end its stream), so it waits on, rejoins the next successor and sees the
+    uninterrupted stream. Before, it was refused with an empty reason and raised ProducerLost."""
+    die, out = SPAWN.Event(), SPAWN.Queue()
+    first, trainers = _trainers_4_batches_in(name, ("trainer",), die, out)
+    address = endpoint.resolve(name)
+    log, second, third = tmp_path / "producer.log", None, None
+    try:
+        die.set()
+        first.join(timeout=60)
+        assert first.exitcode == -signal.SIGKILL
+        second = _serve(name, "seeded", log, ("--arg", "delay=0.25", "--arg", "slow_for=24"))
+        wait_until(lambda: "; 1 HELLO(s) held" in (_preparing(address) or ""), 60, "the trainer to be held")
+        second.send_signal(signal.SIGINT)
+        assert second.wait(timeout=60) == 130, log.read_text()[-3000:]
+        assert restart.state_path(address).exists()
+        third = _serve(name, "seeded", log)
+        result = out.get(timeout=90)
+        assert third.wait(timeout=60) == 0, log.read_text()[-3000:]
+    finally:
+        for proc in (second, third):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for p in trainers.values():
+            p.kill()
+            p.join(timeout=30)
+    expected = restart_pipeline.uninterrupted(restart_pipeline.seeded(), EPOCHS)
+    assert "error" not in result and result["missed"] is None, result
+    assert result["seen"] == expected, _first_difference(result["seen"], expected)
+
+
+def test_a_consumers_constructor_waits_as_long_as_heartbeats_moved_its_handshakes_deadline(monkeypatch):
+    """The constructor waits for the I/O thread's join up to its timeout (and a reader's
+    set-up), or, past it, up to the deadline a preparing successor's heartbeats moved. Before,
+    a rerun longer than timeout + 120 s made Consumer() raise ProducerLost while heartbeats came."""
+    monkeypatch.setattr(handshake, "READER_SETUP_S", 0.2)
+    shared, results = ConsumerShared(), queue.SimpleQueue()
+    shared.join_deadline = time.monotonic() + 1.5
+    threading.Timer(1.0, results.put, ("joined",)).start()
+    assert handshake.outcome(results, shared, 0.1, "ipc://x") == "joined"
+    shared = ConsumerShared()  # nothing moved its deadline: it gives up after timeout + set-up
+    started = time.monotonic()
+    lost = handshake.outcome(queue.SimpleQueue(), shared, 0.1, "ipc://x")
+    assert isinstance(lost, ProducerLost) and shared.stop.is_set() and time.monotonic() - started < 1.0

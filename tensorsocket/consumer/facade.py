@@ -18,13 +18,13 @@ import torch
 
 from .. import endpoint as endpoints
 from .. import protocol
-from ..errors import Closed, ProducerLost
+from ..errors import Closed
 from ..flow import LateJoin
 from ..rebatch import Rebatcher, batches_per_epoch
 from ..transport import parse_device
 from ..transport.device import check_visible
 from ..wakeup import stop_loop
-from . import io_loop, resume
+from . import handshake, io_loop, resume
 from .iteration import Batches, EpochIterator
 from .resume import Position
 from .shared import Settings, Shared
@@ -32,7 +32,6 @@ from .shared import Settings, Shared
 log = logging.getLogger("tensorsocket")
 
 _UNLIMITED_PREFETCH = 1 << 16
-_READER_SETUP_S = 120.0  # beyond the handshake's timeout: a first CUDA context can take a while
 #: The open Consumers of this process. A forked child shares their connections with its parent,
 #: so one it inherited must not read or send there (it took the parent's next batch, and the
 #: parent then failed on a layout it had never seen): each one refuses in the child.
@@ -176,11 +175,7 @@ class Consumer:
             target=io_loop.run, args=(shared, settings, outcome), name="tensorsocket-consumer-io", daemon=True
         )
         self._io.start()
-        try:  # the handshake is bounded by timeout; opening a GPU reader may take a CUDA init more
-            joined = outcome.get(timeout=self.timeout + _READER_SETUP_S)
-        except queue.Empty:
-            shared.stop.set()
-            joined = ProducerLost(f"joining {self.endpoint} took over {self.timeout + _READER_SETUP_S:g} s")
+        joined = handshake.outcome(outcome, shared, self.timeout, self.endpoint)
         if isinstance(joined, BaseException):
             self._io.join(timeout=5.0)
             shared.wakeup.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import time
 import uuid
 from typing import Any
@@ -24,6 +25,7 @@ from .shared import Settings, Shared
 log = logging.getLogger("tensorsocket")
 
 _STOP_CHECK = 0.05  # seconds between checks for close() while waiting for WELCOME
+READER_SETUP_S = 120.0  # beyond the handshake's timeout: a first CUDA context can take a while
 
 
 def connect(settings: Settings) -> tuple[zmq.Socket, zmq.Socket]:
@@ -121,14 +123,14 @@ def _welcome(
                     settings.endpoint,
                 )
             preparing, overdue = True, False
-            deadline = max(deadline, time.monotonic() + settings.timeout)
+            deadline = shared.join_deadline = max(deadline, time.monotonic() + settings.timeout)
             continue
         shared.io_tick = time.monotonic()  # turning, not frozen (see Batches.catch_up_after_freeze)
         if overdue or shared.stop.is_set():
             silent = f"went silent for {settings.timeout:g} s while it prepared its stream"
             raise ProducerLost(
-                endpoints.silent_holder(settings.endpoint, wait)
-                or (f"the producer at {settings.endpoint} {silent}" if preparing else None)
+                (f"the producer at {settings.endpoint} {silent}" if preparing else None)
+                or endpoints.silent_holder(settings.endpoint, wait)
                 or f"no producer answered at {settings.endpoint} within {wait:g} s; start one with "
                 "Producer(loader, name=...) or check the name / endpoint"
             )
@@ -138,3 +140,19 @@ def _welcome(
     if kind in (Kind.ERROR, Kind.EVICTED):
         raise Refused(f"the producer at {settings.endpoint} refused to serve us: {msg['reason']}")
     raise ProtocolError(f"expected WELCOME from {settings.endpoint}, got {kind.value}")
+
+
+def outcome(results: queue.SimpleQueue[Any], shared: Shared, timeout: float, endpoint: str) -> Any:
+    """What the I/O thread's join gave (WELCOME, reader, state; or the error), waited for as
+    long as its handshake may take: ``timeout``, or up to a preparing successor's last
+    heartbeat and ``timeout`` (``shared.join_deadline``); then opening a GPU reader may take
+    a CUDA init more."""
+    started = time.monotonic()
+    while True:
+        bound = max(started + timeout, shared.join_deadline or 0.0) + READER_SETUP_S
+        try:
+            return results.get(timeout=max(0.0, min(1.0, bound - time.monotonic())))
+        except queue.Empty:
+            if time.monotonic() >= bound:
+                shared.stop.set()
+                return ProducerLost(f"joining {endpoint} took over {time.monotonic() - started:.0f} s")

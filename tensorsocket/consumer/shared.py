@@ -112,6 +112,7 @@ class Shared:
     wait_started: float | None = None  # inside next() since then: a wait in progress counts
     ready: list[Any] | None = None
     starts_with: int | None = None
+    join_deadline: float | None = None  # the handshake's, once a preparing successor's heartbeats moved it
     missed: int = 0  # batches lost at rejoins (the I/O thread counts; Consumer.missed adds them)
     link_lock: threading.RLock = field(default_factory=threading.RLock)  # (an RLock: see caller_turn._lock)
     caller_inside: bool = False

@@ -136,6 +136,8 @@ class Producer:
             self._shared.config = dataclasses.replace(config, endpoint=bound)
         tracker, resumed = self._prepare(begun, pool)
         self._publisher = Publisher(self._shared, self._io, pool, min_consumers, grace, tracker, resumed)
+        with self._shared.changed:  # (after the publisher: the WELCOMEs say whom it waits for)
+            successor.settle(self._shared, resumed, tracker)
         self._closed = False
         # If close() is never called (a script without `with` that raises): at exit, stop the
         # I/O thread before zmq is torn down under it (that aborts the process) and free the
@@ -156,8 +158,8 @@ class Producer:
         self, begun: successor.Begun | None, pool: LoaderPool
     ) -> tuple[restart.Tracker | None, restart.Resumed | None]:
         """A resuming producer's loader brought to its restart point, bound meanwhile (see
-        :mod:`.successor`); on failure the HELLOs held are answered with the error, and the
-        name is given up."""
+        :mod:`.successor`); on an error the HELLOs held are answered with it, and on any
+        failure the name is given up."""
         if begun is None:
             return None, None
         shared = self._shared
@@ -170,8 +172,9 @@ class Producer:
         try:
             tracker, resumed = successor.finish(self.loader, begun, pool, progress)
         except BaseException as exc:
-            with shared.changed:
-                successor.refuse_held(shared, f"the producer could not resume its stream: {exc}")
+            if isinstance(exc, Exception):  # (interrupted: they wait on, for another successor)
+                with shared.changed:
+                    successor.refuse_held(shared, f"the producer could not resume its stream: {exc}")
             stop_loop(shared.stop, shared.wakeup, self._io.thread)
             with shared.changed:
                 shared.store.close()
@@ -179,8 +182,6 @@ class Producer:
             shared.publisher_wakeup.close()
             self._release_lock()
             raise
-        with shared.changed:
-            successor.settle(shared, resumed, tracker)
         return tracker, resumed
 
     # ------------------------------------------------------------------ public API

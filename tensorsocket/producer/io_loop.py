@@ -251,7 +251,7 @@ class IoLoop:
 
     def _hello(self, cid: bytes, msg: dict[str, Any], now: float) -> None:
         shared, config = self.shared, self.shared.config
-        if shared.preparing is not None:  # (answered once the loader is at the restart point)
+        if shared.preparing is not None or shared.held:  # (answered once the loader is there, in turn)
             return successor.hold(shared, cid, msg)
         if cid in shared.peers:
             if shared.peers[cid].pid == msg["pid"]:

@@ -338,7 +338,9 @@ class Shared:
             "places": flow.place_count,
             "replay_batches": self.replay_batches,
             "starts_with": self.starts_with,
-            "preparing": self.preparing,
+            "preparing": None
+            if self.preparing is None
+            else f"{self.preparing}; {len(self.held)} HELLO(s) held",
             "replay_budget_bytes": config.replay,
             "kept_batches": flow.kept(),
             "resident_batches": flow.resident(),

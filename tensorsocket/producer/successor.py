@@ -5,11 +5,12 @@ A rerun (any loader without a state of its own: see :mod:`.restart`) runs the ep
 to the point, which takes up to the time the epoch took to get there: minutes, for a large
 epoch. Were the name bound only after it, its trainers would have to give ``reconnect`` that
 long. So the successor binds first, and while it is *preparing* its I/O thread holds each
-HELLO it gets and sends a heartbeat to its sender every second: a consumer waiting for a
-WELCOME waits on while heartbeats come (up to its ``timeout`` after the last). Once the
-loader is there, the HELLOs are answered in the order they came, on the stream as the rerun
-left it (a new one if the loader did not repeat the epoch). If the rerun fails, each is
-answered with the error.
+HELLO it gets and sends a heartbeat to its sender every second (or a quarter of its
+``timeout``, if less): a consumer waiting for a WELCOME waits on while heartbeats come (up to
+its ``timeout`` after the last). Once the loader is there, the HELLOs are answered in the
+order they came, on the stream as the rerun left it (a new one if the loader did not repeat
+the epoch). If the rerun fails, each is answered with the error; if it is interrupted
+(Ctrl-C, SIGTERM), with nothing: its consumers wait on for another successor.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import protocol
-from ..errors import StateFileError
+from ..errors import ProtocolError, StateFileError
 from ..host import pid_alive, same_host
 from ..pooled_collate import LoaderPool
 from ..protocol import Kind
@@ -52,8 +53,10 @@ class Begun:
     def preparing(self) -> str | None:
         """What the successor does before it can answer a HELLO, for status(); None: nothing."""
         p = None if self.state is None else self.state.point
-        if p is None or p.ended:
+        if p is None:
             return None
+        if p.ended:
+            return f"resuming stream {self.stream} after epoch {p.epoch}"
         if self.description["mode"] == restart.STATEFUL:
             return f"resuming stream {self.stream}: loading its loader's state at batch {p.index} of epoch {p.epoch}"
         return f"resuming stream {self.stream}: running epoch {p.epoch} again up to batch {p.index}"
@@ -127,7 +130,9 @@ def serve_held(shared: Shared, now: float, hello: Callable[[Hashable, dict[str, 
     prepares; once it is ready, each answered by ``hello`` in the order they came (those of
     consumers on this host that died meanwhile dropped: they would only be evicted)."""
     if shared.preparing is not None:
-        if now - shared.held_beat >= HEARTBEAT_EVERY:
+        # (as often as a peer's heartbeats: a quarter of the shortest timeout, at most 1 s)
+        every = min([HEARTBEAT_EVERY, *(msg["timeout"] / 4 for msg in shared.held.values())])
+        if now - shared.held_beat >= every:
             shared.held_beat = now
             for cid in shared.held:
                 shared.post(cid, protocol.encode(Kind.HEARTBEAT))
@@ -135,7 +140,10 @@ def serve_held(shared: Shared, now: float, hello: Callable[[Hashable, dict[str, 
     held, shared.held = shared.held, {}
     for cid, msg in held.items():
         if not same_host(msg["boot_id"], msg["pidns"]) or pid_alive(msg["pid"]):
-            hello(cid, msg, now)
+            try:
+                hello(cid, msg, now)
+            except ProtocolError as exc:  # (refused, as IoLoop._apply refuses a HELLO not held)
+                shared.post(cid, protocol.encode(Kind.ERROR, reason=str(exc)[:4000]))
 
 
 def refuse_held(shared: Shared, reason: str) -> None:
