@@ -166,8 +166,7 @@ class Producer:
         preparing = begun.preparing
 
         def progress(pulled: int) -> None:
-            if preparing is not None:  # (else it answers HELLOs already)
-                shared.preparing = f"{preparing}: {pulled} pulled"
+            shared.preparing = f"{preparing}: {pulled} pulled"
 
         try:
             tracker, resumed = successor.finish(self.loader, begun, pool, progress)
@@ -175,12 +174,7 @@ class Producer:
             if isinstance(exc, Exception):  # (interrupted: they wait on, for another successor)
                 with shared.changed:
                     successor.refuse_held(shared, f"the producer could not resume its stream: {exc}")
-            stop_loop(shared.stop, shared.wakeup, self._io.thread)
-            with shared.changed:
-                shared.store.close()
-            shared.wakeup.close()
-            shared.publisher_wakeup.close()
-            self._release_lock()
+            self._stop_and_free()
             raise
         return tracker, resumed
 
@@ -267,15 +261,21 @@ class Producer:
             pass  # the I/O thread is already gone
         finally:
             self._closed = True
-            shared.stop.set()
-            shared.wakeup.wake()
-            self._io.thread.join(timeout=5.0)
-            with shared.changed:
-                shared.store.close()
-            shared.wakeup.close()
-            shared.publisher_wakeup.close()
-            self._release_lock()
+            self._stop_and_free()
             log.info("producer on %s closed", self.endpoint)
+
+    def _stop_and_free(self) -> None:
+        """Stop the I/O thread, free the places and give up the name: at close(), or when
+        the constructor fails once the name is bound."""
+        shared = self._shared
+        shared.stop.set()
+        shared.wakeup.wake()
+        self._io.thread.join(timeout=5.0)
+        with shared.changed:
+            shared.store.close()
+        shared.wakeup.close()
+        shared.publisher_wakeup.close()
+        self._release_lock()
 
     def join(self) -> None:
         """Alias of :meth:`close` for code written against the upstream TensorProducer."""

@@ -251,7 +251,7 @@ class IoLoop:
 
     def _hello(self, cid: bytes, msg: dict[str, Any], now: float) -> None:
         shared, config = self.shared, self.shared.config
-        if shared.preparing is not None or shared.held:  # (answered once the loader is there, in turn)
+        if successor.holding(shared):  # (answered once the loader is there, in turn)
             return successor.hold(shared, cid, msg)
         if cid in shared.peers:
             if shared.peers[cid].pid == msg["pid"]:
@@ -324,8 +324,8 @@ class IoLoop:
     def _check_peers(self, now: float) -> None:
         shared = self.shared
         with shared.changed:
-            if shared.held or shared.preparing is not None:
-                successor.serve_held(shared, now, self._hello)
+            if successor.holding(shared):
+                successor.serve_held(shared, now, self._hello, self._bad)
             for cid, peer in list(shared.peers.items()):
                 if peer.local and not pid_alive(peer.pid):
                     self.drop(cid, "died; evicted")

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import time
 import uuid
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
@@ -125,10 +124,22 @@ def hold(shared: Shared, cid: Hashable, msg: dict[str, Any]) -> None:
     shared.post(cid, protocol.encode(Kind.HEARTBEAT))
 
 
-def serve_held(shared: Shared, now: float, hello: Callable[[Hashable, dict[str, Any], float], None]) -> None:
+def holding(shared: Shared) -> bool:
+    """Does the I/O thread hold HELLOs (lock held)? While the producer prepares, and until
+    those it held then are answered (a later one waits its turn behind them)."""
+    return shared.preparing is not None or bool(shared.held)
+
+
+def serve_held(
+    shared: Shared,
+    now: float,
+    hello: Callable[[Hashable, dict[str, Any], float], None],
+    bad: Callable[[Hashable, str], None],
+) -> None:
     """The HELLOs held (lock held): a heartbeat to each sender every second while the producer
     prepares; once it is ready, each answered by ``hello`` in the order they came (those of
-    consumers on this host that died meanwhile dropped: they would only be evicted)."""
+    consumers on this host that died meanwhile dropped: they would only be evicted), and one
+    it refuses reported to ``bad``, as one not held is."""
     if shared.preparing is not None:
         # (as often as a peer's heartbeats: a quarter of the shortest timeout, at most 1 s)
         every = min([HEARTBEAT_EVERY, *(msg["timeout"] / 4 for msg in shared.held.values())])
@@ -142,8 +153,8 @@ def serve_held(shared: Shared, now: float, hello: Callable[[Hashable, dict[str, 
         if not same_host(msg["boot_id"], msg["pidns"]) or pid_alive(msg["pid"]):
             try:
                 hello(cid, msg, now)
-            except ProtocolError as exc:  # (refused, as IoLoop._apply refuses a HELLO not held)
-                shared.post(cid, protocol.encode(Kind.ERROR, reason=str(exc)[:4000]))
+            except ProtocolError as exc:
+                bad(cid, str(exc))
 
 
 def refuse_held(shared: Shared, reason: str) -> None:
@@ -161,5 +172,4 @@ def settle(shared: Shared, resumed: restart.Resumed | None, tracker: restart.Tra
         shared.config = dataclasses.replace(shared.config, stream=resumed.stream, restarted=resumed.restarted)
     shared.tracker = tracker
     shared.preparing = None
-    shared.held_beat = time.monotonic()
     shared.wakeup.wake()
