@@ -343,13 +343,21 @@ def where_cpu_went(trainers: list[dict[str, Any]], producers: list[dict[str, Any
     trainer_pids = {r["pid"] for r in trainers}
     producer_pids = {r["pid"] for r in producers}
     owners = trainer_pids | producer_pids  # a DataLoader's workers are under one of these
+
+    def under_an_owner(ppid: int) -> bool:
+        # (its children, or further down: a worker started through a forkserver is the
+        # server's child, and the server the owner's)
+        while ppid not in owners and ppid in window:
+            ppid = window[ppid][0]
+        return ppid in owners
+
     roles = {"trainers": 0.0, "producer": 0.0, "loader_workers": 0.0, "other": 0.0}
     for pid, (ppid, user, system, children) in window.items():
         if pid in owners:
             roles["trainers" if pid in trainer_pids else "producer"] += user + system
             roles["loader_workers"] += children  # workers it waited for, gone
-        elif ppid in owners:
-            roles["loader_workers"] += user + system
+        elif under_an_owner(ppid):
+            roles["loader_workers"] += user + system + children
         else:
             roles["other"] += user + system + children
     per_batch = 1000 / (watched["samples"] / 32)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tensorsocket.endpoint import runtime_dir
-from tests.support import shm_segments, unique_name, wait_until
+from tests.support import SPAWN, shm_segments, unique_name, wait_until
 
 # How long a test's resources may take to go after it returned: zmq closes a socket's
 # connections in its own I/O thread, and a joined thread's fd may close a tick later.
@@ -23,6 +23,21 @@ def name() -> Iterator[str]:
     yield name
     for path in runtime_dir().glob(f"{name}.sock*"):
         path.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def fresh_benchmark_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The JPEG benchmarks start their processes with ``spawn``, each a fresh interpreter that
+    imports torch (~3.5 s of CPU on the 2-core VM, a dozen times in a small run); their harness
+    tests start the same processes from the suite's server that has torch imported already
+    (``tests.support.SPAWN``). What each process runs, and how its CPU is attributed (by the
+    process tree under the benchmark), stays the same."""
+    import benchmarks.loader_cost
+    import benchmarks.pooled_collate
+    import benchmarks.sharing
+
+    for module in (benchmarks.sharing, benchmarks.loader_cost, benchmarks.pooled_collate):
+        monkeypatch.setattr(module, "SPAWN", SPAWN)
 
 
 @pytest.fixture(autouse=True)

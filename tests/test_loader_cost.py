@@ -7,11 +7,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from benchmarks.loader_cost import MODES, rounds
 
 
+@pytest.mark.usefixtures("fresh_benchmark_processes")
 def test_rounds_rotate_the_ways_and_attribute_each_process(tmp_path: Path) -> None:
-    result = rounds(1, trainers=2, step_ms=1, workers=1, epochs=2, images=128, data=tmp_path / "jpeg")
+    result = rounds(1, trainers=2, step_ms=1, workers=1, epochs=2, images=64, data=tmp_path / "jpeg")
     assert [r["order"] for r in result["rounds"]] == [list(MODES)]
     assert result["exact"] is True
     for r in result["rounds"]:
@@ -26,4 +29,4 @@ def test_rounds_rotate_the_ways_and_attribute_each_process(tmp_path: Path) -> No
         round(r["shared"]["loader_workers"] / r["shared-replay0"]["loader_workers"], 3)
         for r in result["rounds"]
     ]
-    assert result["config"]["rounds"] == 1 and result["config"]["images"] == 128
+    assert result["config"]["rounds"] == 1 and result["config"]["images"] == 64

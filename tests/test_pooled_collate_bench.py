@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from benchmarks.pooled_collate import WAYS, rounds
 
 
+@pytest.mark.usefixtures("fresh_benchmark_processes")
 def test_a_round_runs_both_ways_and_their_batches_match(tmp_path: Path) -> None:
     result = rounds(1, epochs=2, step_ms=1, images=128, data=tmp_path / "jpeg")
     assert result["identical"] is True

@@ -25,7 +25,7 @@ SCENARIO = """\
 import json, logging, sys, time
 import torch
 from tensorsocket import Consumer, Producer
-from tests.support import SPAWN
+from tests.support import FORK
 
 
 def consume(name, options, started, joined, out):
@@ -75,10 +75,10 @@ if __name__ == "__main__":
     mib = [int(m) for m in sys.argv[3].split(",")]
     late, options = json.loads(sys.argv[6]), json.loads(sys.argv[7])
     logging.basicConfig(level=logging.INFO, format="LOG %(message)s", stream=sys.stdout)
-    out, started, joined = SPAWN.Queue(), SPAWN.Event(), SPAWN.Queue()
+    out, started, joined = FORK.Queue(), FORK.Event(), FORK.Queue()
     before = sum(1 for options in late if options.get("before"))
-    procs = [SPAWN.Process(target=consume, args=(name, {"label": "leader"}, started, joined, out))]
-    procs += [SPAWN.Process(target=consume, args=(name, options, started, joined, out)) for options in late]
+    procs = [FORK.Process(target=consume, args=(name, {"label": "leader"}, started, joined, out))]
+    procs += [FORK.Process(target=consume, args=(name, options, started, joined, out)) for options in late]
     for p in procs:
         p.start()
     report = {}

@@ -7,9 +7,12 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+import pytest
+
 from benchmarks.sharing import rounds
 
 
+@pytest.mark.usefixtures("fresh_benchmark_processes")
 def test_rounds_alternate_and_summarise_what_each_round_measured(tmp_path: Path) -> None:
     result = rounds(
         2, trainers=2, step_ms=1, images=64, epochs=2, workers=1, data=tmp_path / "jpeg", log=lambda *a: None
@@ -48,3 +51,24 @@ def test_a_trainer_reports_its_rate_past_the_first_epoch() -> None:
     # over the time from that first batch on: its step and the 2 batches' (0.03 s, and some)
     assert 4 / (5 * 0.03) < two["later_samples_per_s"] < 4 / 0.03
     assert _train([batch] * 3, epochs=1, step_s=0.0)["later_samples_per_s"] is None
+
+
+def test_cpu_is_attributed_down_the_process_tree() -> None:
+    """A DataLoader's worker counts as the loader's however far under its trainer or producer
+    it runs (one started through a forkserver is the server's child); a process under neither
+    is the benchmark's own. 32 samples: one batch, so the figures are ms of CPU."""
+    from benchmarks.sharing import where_cpu_went
+
+    window = {  # pid: [parent pid, user s, system s, children s]
+        "10": [1, 0.5, 0.0, 0.0],  # the benchmark
+        "20": [10, 0.2, 0.1, 0.0],  # the watching trainer
+        "30": [10, 0.4, 0.0, 0.25],  # the producer, a worker of it gone
+        "31": [30, 0.0, 0.0, 0.0],  # a forkserver the producer started
+        "32": [31, 1.0, 0.5, 0.0],  # its worker
+        "21": [20, 0.125, 0.0, 0.0],  # a worker of the trainer's own
+    }
+    trainer = {"pid": 20, "samples": 32, "cpu_window": window}
+    roles = where_cpu_went([trainer], [{"pid": 30}])
+    assert roles == {
+        "trainers": 300.0, "producer": 400.0, "loader_workers": 1875.0, "other": 500.0, "total": 3075.0,
+    }  # fmt: skip

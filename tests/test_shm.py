@@ -116,7 +116,7 @@ FIT = """\
 import json, logging, sys
 import torch
 from tensorsocket import Consumer, Producer
-from tests.support import SPAWN
+from tests.support import FORK
 
 MIB = 1 << 20
 
@@ -142,8 +142,8 @@ if __name__ == "__main__":
     name, slots, replay, device = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     count, mib, shared = int(sys.argv[5]), int(sys.argv[6]), sys.argv[7] == "shared"
     logging.basicConfig(level=logging.WARNING, format="LOG %(message)s", stream=sys.stdout)
-    out = SPAWN.Queue()
-    consumer = SPAWN.Process(target=consume, args=(name, device, out))
+    out = FORK.Queue()
+    consumer = FORK.Process(target=consume, args=(name, device, out))
     consumer.start()
     report = {}
     try:
