@@ -27,11 +27,10 @@ from . import successor
 from .room import check_group_fits, evict_group_that_does_not_fit
 from .session_turns import HANDOVER, publisher_turn
 from .sessions import QUEUE_PER_PEER, Sessions, send_zmq
-from .shared import TICK, TICK_MS, Peer, Shared
+from .shared import TICK, TICK_MS, Peer, Shared, heartbeat_every
 
 log = logging.getLogger("tensorsocket")
 
-_MAX_HEARTBEAT = 1.0
 _BIND_TIMEOUT = 30.0
 
 
@@ -287,7 +286,7 @@ class IoLoop:
             stragglers=config.stragglers, transport=transport,
             gpu=shared.store.gpu if transport == shared.store.kind else None,
             arenas=[d for d in shared.store.describe() if d[0] == transport],
-            heartbeat=_heartbeat_interval(peer), stream=config.stream, restarted=config.restarted,
+            heartbeat=heartbeat_every(peer.timeout), stream=config.stream, restarted=config.restarted,
             layouts=shared.layouts.entries, session=self.sessions.offer(cid), starts_with=shared.starts_with,
         )  # fmt: skip
         shared.post(cid, welcome)
@@ -332,7 +331,7 @@ class IoLoop:
                 elif now - peer.last_seen > peer.timeout:
                     reason = f"evicted after {peer.timeout:g} s without a message"
                     self.drop(cid, f"was silent for {now - peer.last_seen:.1f} s; evicted", reason)
-                elif now - peer.last_sent > _heartbeat_interval(peer):
+                elif now - peer.last_sent > heartbeat_every(peer.timeout):
                     shared.post(cid, protocol.encode(Kind.HEARTBEAT))
             shared.notify()
 
@@ -386,7 +385,3 @@ def _turn_left_ms(shared: Shared) -> int:
     to it, polls no longer than that (it may not come back to read it: a slow loader)."""
     left = shared.publisher_at + HANDOVER - time.monotonic()
     return min(TICK_MS, max(0, int(left * 1000) + 1))
-
-
-def _heartbeat_interval(peer: Peer) -> float:
-    return min(_MAX_HEARTBEAT, peer.timeout / 4)

@@ -58,6 +58,13 @@ from .restart import Tracker, rejoinable
 TICK = 0.05  # seconds between liveness checks, and the longest any wait goes unchecked
 TICK_MS = int(TICK * 1000)
 _ROUTINE = frozenset((Kind.RELEASE, Kind.STATS, Kind.HEARTBEAT))
+_MAX_HEARTBEAT = 1.0
+
+
+def heartbeat_every(timeout: float) -> float:
+    """Seconds between heartbeats to a consumer with this ``timeout``: four before it would
+    give up on the producer, and at least one a second."""
+    return min(_MAX_HEARTBEAT, timeout / 4)
 
 
 @dataclass

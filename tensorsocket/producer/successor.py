@@ -30,11 +30,9 @@ from ..host import pid_alive, same_host
 from ..pooled_collate import LoaderPool
 from ..protocol import Kind
 from . import restart
-from .shared import Shared
+from .shared import Shared, heartbeat_every
 
 log = logging.getLogger("tensorsocket")
-
-HEARTBEAT_EVERY = 1.0  # seconds between heartbeats to a consumer whose HELLO is held
 
 
 @dataclass
@@ -136,14 +134,14 @@ def serve_held(
     hello: Callable[[Hashable, dict[str, Any], float], None],
     bad: Callable[[Hashable, str], None],
 ) -> None:
-    """The HELLOs held (lock held): a heartbeat to each sender every second while the producer
-    prepares; once it is ready, each answered by ``hello`` in the order they came (those of
-    consumers on this host that died meanwhile dropped: they would only be evicted), and one
-    it refuses reported to ``bad``, as one not held is."""
+    """The HELLOs held (lock held): heartbeats to each sender while the producer prepares, as
+    often as to a joined consumer with the shortest of their timeouts; once it is ready, each
+    answered by ``hello`` in the order they came (those of consumers on this host that died
+    meanwhile dropped: they would only be evicted), and one it refuses reported to ``bad``,
+    as one not held is."""
     if shared.preparing is not None:
-        # (as often as a peer's heartbeats: a quarter of the shortest timeout, at most 1 s)
-        every = min([HEARTBEAT_EVERY, *(msg["timeout"] / 4 for msg in shared.held.values())])
-        if now - shared.held_beat >= every:
+        timeouts = [msg["timeout"] for msg in shared.held.values()]
+        if timeouts and now - shared.held_beat >= heartbeat_every(min(timeouts)):
             shared.held_beat = now
             for cid in shared.held:
                 shared.post(cid, protocol.encode(Kind.HEARTBEAT))
