@@ -271,7 +271,7 @@ def test_consumer_closing_mid_epoch_leaves_at_once(name):
             closed = time.monotonic() - t0
         finally:
             consumer.close()
-        assert closed < 1.0, f"close() took {closed:.2f} s"
+        assert closed < 3.0, f"close() took {closed:.2f} s"  # (its silence: 10 s)
 
         def one_left() -> list[dict[str, Any]] | None:
             consumers = producer.status()["consumers"]
@@ -280,7 +280,7 @@ def test_consumer_closing_mid_epoch_leaves_at_once(name):
         remaining = wait_until(one_left, 5, "the producer to see the closed consumer leave", interval=0.005)
         left_after = time.monotonic() - t0
         assert [c["pid"] for c in remaining] == [other.pid]
-        assert left_after < 1.0, f"the producer noticed the close after {left_after:.2f} s"
+        assert left_after < 3.0, f"the producer noticed the close after {left_after:.2f} s"
         report = results.get(timeout=60)
         server.join(timeout=30)
         assert not server.is_alive() and errors == []
@@ -310,13 +310,11 @@ def test_a_consumer_whose_io_thread_failed_leaves_at_once(name, monkeypatch):
             with pytest.raises(ProducerLost, match="consumer I/O failed: OSError"):
                 for _ in consumer:
                     pass
-            failed = time.monotonic()
-            wait_until(
+            wait_until(  # (its silence would take its timeout, 30 s)
                 lambda: producer.status()["consumers"] == [],
                 5,
                 "the producer to see the failed consumer leave",
             )
-            assert time.monotonic() - failed < 2.0
         finally:
             consumer.close()
     assert errors == []
@@ -520,7 +518,9 @@ def test_stopped_consumer_is_evicted_after_its_timeout_and_the_other_stays_exact
         server.join(timeout=30)
         assert not server.is_alive() and errors == []
         # Alive (its pid is watched, but stopped counts as alive) and silent: the timeout decides.
-        assert timeout - 0.5 <= evicted_after < timeout + 1.0, f"evicted after {evicted_after:.2f} s"
+        # (Its last heartbeat may have gone out late, on a loaded machine, just before the stop:
+        # the lower bound only rules out an eviction that did not wait for the silence.)
+        assert timeout / 2 <= evicted_after < timeout + 1.0, f"evicted after {evicted_after:.2f} s"
         assert seen == [(e, i) for e in range(EPOCHS) for i in range(batches)]
         os.kill(victim.pid, signal.SIGCONT)
         report = results.get(timeout=30)

@@ -48,9 +48,8 @@ def _life(name: str, state_file: str, epochs: int, kill_after: int | None, optio
                 os.replace(state_file + ".tmp", state_file)
                 if taken == kill_after:
                     out.put(seen)
-                    import time
-
-                    time.sleep(0.3)  # the queue's feeder sends it
+                    out.close()
+                    out.join_thread()  # the queue's feeder has sent it
                     os.kill(os.getpid(), signal.SIGKILL)
         out.put(seen)
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tensorsocket import Consumer, Hoarding, Producer
-from tests.support import NestedLoader, expected_batch, join_or_fail, same, serving
+from tests.support import NestedLoader, expected_batch, join_or_fail, same, serving, wait_until
 
 TIMEOUT = 0.5  # each consumer's: how long a wait lasts before it asks
 
@@ -133,7 +133,7 @@ def test_one_consumer_iterated_by_two_threads_at_once_is_refused(
             target=lambda: got.append(same(next(it), expected_batch(1, 3))), daemon=True
         )
         waiting.start()
-        time.sleep(0.5)  # it waits in next() now
+        wait_until(lambda: consumer._batches.inside is not None, 30, "the thread to wait in next()")
         with pytest.raises(RuntimeError, match="consumer 'shared' is in next\\(\\) in another thread"):
             next(it)
         join_or_fail(waiting, 30)
