@@ -44,7 +44,7 @@ def broken():
 """
 
 # Iterates the shared loader; exits 3 mid-stream (abruptly, holding a batch) for lr=0.2 and
-# width=2, and 5 before it even joins for a=1.
+# width=2, 5 before it even joins for a=1, and hangs holding its first batch for hang=1.
 TRAINER = """
 import argparse, json, os, sys, time
 from tensorsocket import Consumer
@@ -55,6 +55,7 @@ p.add_argument("--width", type=int, default=1)
 p.add_argument("--a", type=int, default=0)
 p.add_argument("--epochs", type=int, default=2)
 p.add_argument("--step", type=float, default=0.01)
+p.add_argument("--hang", type=int, default=0)
 args = p.parse_args()
 print("pid", os.getpid(), flush=True)
 if args.a == 1:
@@ -66,6 +67,9 @@ for epoch in range(args.epochs):
         samples += len(labels)
         if args.lr == 0.2 and args.width == 2:
             os._exit(3)
+        if args.hang:
+            print("hanging", flush=True)
+            time.sleep(3600)
         time.sleep(args.step)
 loader.close()
 rate = samples / (time.perf_counter() - start)
@@ -182,6 +186,34 @@ def test_sweep_2x2_grid_in_two_waves_with_one_failing_trial(workdir: Path) -> No
     pids = producer_pids(logs)
     assert len(pids) == 2  # one producer run per wave
     for pid in pids:
+        assert not pid_alive(pid) and shm_segments(pid) == []
+
+
+def test_a_trial_past_its_timeout_is_stopped_and_the_sweep_goes_on(workdir: Path) -> None:
+    """A trial that hangs holding a batch would hold its wave up for ever: --trial-timeout
+    stops it (its process group), it counts as failed, 'timed out', and the next wave runs."""
+    logs = workdir / "logs"
+    proc = run_sweep(
+        workdir,
+        "--pipeline", "pipe.py:make",
+        "--pipeline-arg", f"batches={BATCHES}",
+        "--trainer", "python trainer.py --epochs 2",
+        "--grid", "hang=1,0",
+        "--parallel", "1",
+        "--epochs", "2",
+        "--trial-timeout", "8",
+        "--logs", str(logs),
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    hung, good = json.loads((logs / "summary.json").read_text())["trials"]
+    assert (hung["status"], hung["exit_code"]) == ("timed out", -signal.SIGTERM)
+    assert 8 < hung["elapsed_s"] < 8 + 10
+    assert "hanging" in Path(hung["log"]).read_text()  # (it had joined and taken a batch)
+    assert not pid_alive(_trainer_pid(Path(hung["log"])))
+    assert good["status"] == "done" and good["result"]["samples"] == 2 * BATCHES * BATCH_SIZE
+    assert "trial-01 timed out after" in proc.stdout
+    assert re.search(r"trial-01\s+hang=1\s+timed out\s+-15", proc.stdout), proc.stdout
+    for pid in producer_pids(logs):
         assert not pid_alive(pid) and shm_segments(pid) == []
 
 
@@ -373,6 +405,8 @@ def _read(path: Path) -> str:
         (["--pipeline", "pipe.py:nothing"], "pipe.py has no function 'nothing'"),
         (["--pipeline", "no_such_module_here:make"], "no module named 'no_such_module_here'"),
         (["--trainer", "no-such-program-here --x"], "is not a program on PATH or a file"),
+        (["--trial-timeout", "-1"], "argument --trial-timeout: expected a number of seconds >= 0"),
+        (["--trial-timeout", "soon"], "argument --trial-timeout: expected a number of seconds, got 'soon'"),
     ],
 )
 def test_usage_errors_exit_2_with_a_clear_message(

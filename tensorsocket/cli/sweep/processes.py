@@ -146,8 +146,13 @@ def _finish(trial: Trial, code: int, status: str | None = None) -> None:
         trial.result = None
 
 
-def terminate(trials: list[Trial]) -> None:
-    """SIGTERM the process group of every running trial, SIGKILL what is left after a grace."""
+def _overran(trial: Trial, limit: float | None) -> bool:
+    return bool(limit) and trial.started is not None and time.monotonic() - trial.started > limit
+
+
+def terminate(trials: list[Trial], status: str = "stopped") -> None:
+    """SIGTERM the process group of every running trial, SIGKILL what is left after a grace;
+    those that were running end with ``status``."""
     running = [t for t in trials if t.process is not None and t.process.poll() is None]
     for t in running:
         assert t.process is not None
@@ -168,7 +173,7 @@ def terminate(trials: list[Trial]) -> None:
             t.process.wait()
     for t in trials:
         if t.status == "running" and t.process is not None:
-            _finish(t, t.process.returncode, "stopped")
+            _finish(t, t.process.returncode, status)
 
 
 def run_wave(
@@ -201,8 +206,12 @@ def run_wave(
                     code = trial.process.poll()
                     if code is not None:
                         _finish(trial, code)
-                        producer.tell("exited")
-                        display.changed(trial)
+                    elif _overran(trial, args.trial_timeout):  # hung, say: it holds up its wave
+                        terminate([trial], "timed out")
+                    else:
+                        continue
+                    producer.tell("exited")
+                    display.changed(trial)
             display.refresh()
         code = producer.stop(_PRODUCER_GRACE)
         if code not in (0, None):

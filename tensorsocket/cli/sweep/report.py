@@ -23,7 +23,13 @@ _REFRESH = 1.0  # seconds between redraws of the live status on a terminal
 # ---------------------------------------------------------------------------- display
 
 
-_STATE_WORD = {"waiting": "waiting", "running": "running", "done": "done", "failed": "FAILED"}
+_STATE_WORD = {
+    "waiting": "waiting",
+    "running": "running",
+    "done": "done",
+    "failed": "FAILED",
+    "timed out": "TIMEOUT",
+}
 
 
 class Display:
@@ -54,7 +60,7 @@ class Display:
         else:
             code = f"exit {trial.exit_code}" if trial.exit_code is not None else "not started"
             text = f"{trial.name} {trial.status} after {trial.elapsed:.1f} s ({code}): {trial.params_text()}"
-            if trial.status == "failed":
+            if trial.status in ("failed", "timed out"):
                 text += f"; log: {trial.log}"
         self.stream.write(f"[{time.monotonic() - self.started:7.1f} s] {text}\n")
         self.stream.flush()
@@ -70,11 +76,12 @@ class Display:
         counts = {
             s: sum(t.status == s for t in self.trials) for s in ("running", "done", "failed", "waiting")
         }
+        counts["failed"] += sum(t.status == "timed out" for t in self.trials)
         header = (
             f"sweep {now - self.started:6.0f} s: {counts['running']} running, {counts['done']} done, "
             f"{counts['failed']} failed, {counts['waiting']} waiting{self.note}"
         )
-        order = {"running": 0, "failed": 1, "done": 2}
+        order = {"running": 0, "failed": 1, "timed out": 1, "done": 2}
         rows = sorted(self.trials, key=lambda t: order.get(t.status, 3))
         room = max(1, lines - 3)
         shown, hidden = rows[:room], len(rows) - room

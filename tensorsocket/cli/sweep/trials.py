@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ...pipeline import keyvalue
-from ..common import UsageError, positive_int
+from ..common import UsageError, positive_int, seconds
 
 RESULT_PREFIX = "RESULT "
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*\Z")
@@ -114,6 +114,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where logs and summaries go (default ./sweep-logs/<time>)",
     )
     parser.add_argument("--name", default=None, help="producer name (default: a unique one)")
+    parser.add_argument(
+        "--trial-timeout",
+        type=seconds,
+        default=None,
+        metavar="SECONDS",
+        help="stop a trial still running this long after it started (SIGTERM to its process "
+        "group, SIGKILL 5 s later): it counts as failed, 'timed out', and its wave goes on "
+        "without it (default: no limit; 0 is none either)",
+    )
 
 
 @dataclass
@@ -122,7 +131,7 @@ class Trial:
     params: dict[str, str]
     command: list[str]
     log: Path
-    status: str = "waiting"  # waiting, running, done, failed, stopped, not run
+    status: str = "waiting"  # waiting, running, done, failed, timed out, stopped, not run
     exit_code: int | None = None
     started: float | None = None
     ended: float | None = None
