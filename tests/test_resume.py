@@ -137,6 +137,22 @@ def test_a_position_the_producer_no_longer_has_is_missed_and_counted(name, caplo
                 del batch
 
 
+def test_a_state_whose_offset_is_past_its_batch_is_refused_by_name(name):
+    """A re-cutting consumer's state names a sample offset in a producer batch, which only the
+    batch's arrival can check: past its end (a state edited, or from another loader on a
+    stream of the same id), next() says so instead of failing deep in the re-cut."""
+    with Producer(Ids(), name=name, slots=2) as producer:
+        with serving(producer, epochs=1):
+            with Consumer(name=name, batch_size=3) as first:
+                next(iter(first))  # 3 of batch 0's 4 samples
+                saved = first.state_dict()
+            assert (saved["epoch"], saved["index"], saved["offset"]) == (0, 0, 3)
+            with Consumer(name=name, batch_size=3) as restored:
+                restored.load_state_dict({**saved, "offset": ROWS + 1})
+                with pytest.raises(ValueError, match="is 5 samples into batch 0 of epoch 0, which has 4"):
+                    next(iter(restored))
+
+
 def test_a_state_from_another_stream_joins_as_a_late_joiner(name, caplog):
     with Producer(Ids(), name=name, slots=2) as producer:
         with serving(producer, epochs=1):

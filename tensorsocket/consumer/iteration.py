@@ -141,8 +141,7 @@ class Batches:
                 continue
             n, first = self.samples or 0, 0  # (counted by the I/O thread)
             if self.restored is not None and self.last == (self.restored.epoch, self.restored.index):
-                first = self.restored.offset  # handed out before the state was saved
-                self.restored = None
+                first, self.restored = resume.offset_into(self.restored, n), None
             if not self.pushed:
                 self.pushed_epoch = self.last[0]
             start = self.pushed[-1][1] + self.pushed[-1][2] if self.pushed else -first

@@ -79,6 +79,18 @@ def position_of(state: Any, batch_size: int | None, group: list[Any] | None) -> 
     return Position(stream, epoch, index, offset)
 
 
+def offset_into(position: Position, samples: int) -> int:
+    """The samples of the position's producer batch handed out before its state was saved,
+    checked against the batch's ``samples`` now that it came (load_state_dict() could not)."""
+    if position.offset > samples:
+        raise ValueError(
+            f"the state given to load_state_dict() is {position.offset} samples into batch "
+            f"{position.index} of epoch {position.epoch}, which has {samples}: it was saved from "
+            "another stream than this producer's"
+        )
+    return position.offset
+
+
 def missed(position: Position, epoch: int, index: int, batches_per_epoch: int | None) -> int | None:
     """Producer batches between ``position`` and the first entry a restored consumer got
     (batch ``index`` of ``epoch``; ``index`` is that epoch's length for its end marker):
