@@ -4,9 +4,11 @@ every batch bit for bit without asking the producer."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -349,3 +351,15 @@ def run_in_64_mib_dev_shm(
     lines = [line for line in done.stdout.splitlines() if line.startswith("REPORT ")]
     assert lines, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return json.loads(lines[-1][len("REPORT ") :]), done.stdout
+
+
+@functools.cache
+def unshare_pid_works() -> bool:
+    """Can this process start one in a PID namespace of its own (as in another container)?
+    (root, as on CI)"""
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True, timeout=30
+    )
+    return probe.returncode == 0

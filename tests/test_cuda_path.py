@@ -14,7 +14,6 @@ import io
 import json
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from tests.support import (
     serving,
     shm_segments,
     start_consumers,
+    unshare_pid_works,
     wait_until,
 )
 
@@ -423,16 +423,9 @@ def test_gpu_path_errors_are_tensorsocket_errors():
 # ----------------------------------------------------------- a consumer in another PID namespace
 
 
-def _unshare_works() -> bool:
-    if shutil.which("unshare") is None:
-        return False
-    probe = subprocess.run(
-        ["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True, timeout=30
-    )
-    return probe.returncode == 0
-
-
-needs_unshare = pytest.mark.skipif(not _unshare_works(), reason="unshare --pid needs root (CI runs as root)")
+needs_unshare = pytest.mark.skipif(
+    not unshare_pid_works(), reason="unshare --pid needs root (CI runs as root)"
+)
 # The consumer in the other namespace gets host memory; on a real GPU it copies it there.
 OTHER_NS_DEVICE = "cuda:0" if REAL else "cpu"
 

@@ -20,7 +20,7 @@ import torch
 from tensorsocket import Consumer, Producer, ProducerLost, StateFileError, TensorSocketError, endpoint
 from tensorsocket.producer import restart
 from tests import restart_pipeline
-from tests.support import SPAWN, shm_segments, wait_until
+from tests.support import SPAWN, free_port, shm_segments, wait_until
 
 EPOCHS, SAMPLES, ROWS = 3, 96, 4
 ROOT = Path(__file__).resolve().parent.parent
@@ -142,20 +142,37 @@ def restart_pipeline_socket(name: str) -> str:
     return endpoint.resolve(name)[len("ipc://") :]
 
 
+@pytest.mark.parametrize("when", ["streaming", "window-full"])
 def test_a_loader_that_cannot_repeat_its_order_starts_the_epoch_again_and_says_how_many_come_again(
-    name, tmp_path
+    name, tmp_path, when
 ):
-    out = SPAWN.Queue()
-    proc = SPAWN.Process(target=_consume, args=(name, {}, out))
+    """window-full: the trainer holds its first batch and the producer filled its 4 places
+    within the state file's 0.1 s between writes, then published nothing more. The file must
+    still come to list every batch sent (its fingerprint): before, it said batch 0 and no
+    fingerprint, the successor checked nothing, and the trainer got 96 samples, 81 distinct."""
+    out, held = SPAWN.Queue(), (SPAWN.Event(), SPAWN.Event())
+    proc = SPAWN.Process(target=_consume, args=(name, {}, out, held if when == "window-full" else None))
     proc.start()
     log = tmp_path / "producer.log"
-    first = _serve(name, "unrepeatable", log)
+    first = _serve(name, "unrepeatable", log, ("--arg", "delay=0") if when == "window-full" else ())
     _wait_serving(first, log, 1)
     state = restart.state_path(f"ipc://{restart_pipeline_socket(name)}")
-    wait_until(lambda: state.exists() and restart.read(state).point.index >= 3, 30, "a few batches published")
+    if when == "streaming":
+        wait_until(
+            lambda: state.exists() and restart.read(state).point.index >= 3, 30, "a few batches published"
+        )
+    else:
+        assert held[0].wait(60)
+        wait_until(
+            lambda: state.exists() and len(restart.read(state).fingerprints) == 4,
+            30,
+            "the 4 batches sent in the file",
+        )
+        assert restart.read(state).point.index == 0
     first.send_signal(signal.SIGKILL)
     first.wait(timeout=30)
     second = _serve(name, "unrepeatable", log)
+    held[1].set()
     assert second.wait(timeout=120) == 0, log.read_text()[-3000:]
     result = out.get(timeout=60)
     proc.join(timeout=30)
@@ -318,12 +335,12 @@ def _die_after_a_stale_write(name: str, blocked: Any, go: Any) -> None:
     restart.WRITE_EVERY = 3600.0
     published = restart.Tracker.published
 
-    def slow(self: Any, seq: int, epoch: int, first_seq: int, index: int, fingerprint: int) -> None:
+    def slow(self: Any, seq: int, epoch: int, first_seq: int, index: int) -> None:
         if index == 6:
             blocked.set()
             go.wait(60)
             restart.WRITE_EVERY = 0.0
-        published(self, seq, epoch, first_seq, index, fingerprint)
+        published(self, seq, epoch, first_seq, index)
 
     restart.Tracker.published = slow  # type: ignore[method-assign]
     producer = Producer(restart_pipeline.seeded(delay=0.01), name=name, resume=True, slots=8)
@@ -374,16 +391,23 @@ def _state_of_a_run(name: str, loader: Any, batches: int) -> Path:
     """Publish ``batches`` batches with resume=True (continuing a state file left there, if
     any) and leave the state file a crash would have left."""
     producer = Producer(loader, name=name, resume=True, slots=4)
+    flow, tracker = producer._shared.flow, producer._shared.tracker
+    assert tracker is not None
     with Consumer(name=name, late_join="now") as consumer:
         it, published = iter(consumer), iter(producer)
         for n in range(batches):
             if n == batches - 1:  # the last one is written, with every earlier release in
+                # (and no write left to make: one the I/O thread made later would be of the point
+                # after it, with the consumer's release of it in)
                 wait_until(
-                    lambda f=producer._shared.flow: f.restart_point() == f.next_seq, 30, "the releases"
+                    lambda: flow.restart_point() == flow.next_seq and not tracker.lagging, 30, "the releases"
                 )
                 time.sleep(restart.WRITE_EVERY)
             next(published)
             next(it)
+    wait_until(
+        lambda: not tracker.lagging, 30, "the state file to be written"
+    )  # (a first send's write: soon after)
     path = restart.state_path(producer.endpoint)
     assert path.stat().st_mode & 0o077 == 0 and path.parent == endpoint.runtime_dir()  # private
     data = path.read_bytes()
@@ -402,6 +426,24 @@ def test_a_clean_end_removes_the_state_file_and_a_fresh_start_writes_one(name):
         assert not path.exists()
 
 
+def test_a_fresh_producer_that_cannot_bind_leaves_the_serving_ones_state_file():
+    """A tcp endpoint has no lock file: a second producer without resume on one already served
+    fails to bind, and must leave the state of the one serving there (stalled, it may not write
+    again for long: a crash then would lose the stream). Before, it removed the file first."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    path = restart.state_path(address)
+    with Producer(restart_pipeline.seeded(), endpoint=address, resume=True, slots=2) as serving:
+        with Consumer(endpoint=address, late_join="now") as consumer:
+            it, published = iter(consumer), iter(serving)
+            next(published)
+            held = next(it)
+            assert path.exists()
+            with pytest.raises(RuntimeError, match="Address already in use"):
+                Producer(restart_pipeline.seeded(), endpoint=address)
+            assert path.exists()
+            del held
+
+
 def test_a_stateful_successor_that_dies_at_once_can_itself_be_resumed(name):
     """The successor's first state names the point it restarted at, with the loader's state
     there (not after the batch it pulled to check it), so its own successor resumes too."""
@@ -413,6 +455,26 @@ def test_a_stateful_successor_that_dies_at_once_can_itself_be_resumed(name):
         assert third.epoch == 0
 
 
+class _Unreadable(restart_pipeline.Augmented):
+    """The same dataset, failing as a DataLoader does when a worker was killed."""
+
+    def __getitem__(self, i: int) -> Any:
+        raise RuntimeError("DataLoader worker (pid 4242) is killed by signal: Killed.")
+
+
+def test_a_loader_failing_in_a_successors_rerun_raises_its_own_error_and_keeps_the_state(name):
+    """The loader's own error (a worker killed), not a StateFileError telling the user to
+    remove a good state file (and from the CLI, a usage error)."""
+    path = _state_of_a_run(name, restart_pipeline.seeded(), 5)
+    failing = torch.utils.data.DataLoader(_Unreadable(96, 0.0), batch_size=4, shuffle=True)
+    with pytest.raises(RuntimeError, match="is killed by signal") as info:
+        Producer(failing, name=name, resume=True)
+    assert not isinstance(info.value, StateFileError)
+    assert path.exists()
+    with Producer(restart_pipeline.seeded(), name=name, resume=True) as successor:  # it resumes
+        assert successor.epoch == 0 and successor._publisher.resumed is not None
+
+
 def test_a_point_taken_before_a_join_does_not_undo_the_joiners_write(tmp_path):
     """The publishing thread takes a point under the producer's lock and writes it after;
     between, the I/O thread may write a joiner's older one, which must stay."""
@@ -420,7 +482,8 @@ def test_a_point_taken_before_a_join_does_not_undo_the_joiners_write(tmp_path):
     tracker = restart.Tracker(tmp_path / "x.state", loader, restart.describe(loader, 24, 96), "stream")
     tracker.epoch_started(0, 0)
     for seq in range(6):
-        tracker.published(seq, 0, 0, seq, fingerprint=seq)
+        tracker.fingerprinted(seq, 0, seq, fingerprint=seq)
+        tracker.published(seq, 0, 0, seq)
     taken_before = (5, 0, 1, 0)  # (restart point, keep from, consumers, joins)
     tracker.save(2, 0, 2, 1, force=True)  # the I/O thread: a joiner replays from batch 2
     tracker.save(*taken_before, force=True)

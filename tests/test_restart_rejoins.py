@@ -4,10 +4,13 @@ a ``tensorsocket serve --resume`` successor, trainers spawned."""
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -32,10 +35,11 @@ from tensorsocket.consumer.shared import Shared as ConsumerShared
 from tensorsocket.producer import restart
 from tensorsocket.protocol import Kind
 from tests import restart_pipeline
-from tests.support import SPAWN, wait_until
+from tests.support import SPAWN, unshare_pid_works, wait_until
 from tests.test_malformed import dealer, hello, receive
 from tests.test_restart import (
     EPOCHS,
+    ROOT,
     ROWS,
     _consume,
     _first_difference,
@@ -433,3 +437,58 @@ def test_a_consumers_constructor_waits_as_long_as_heartbeats_moved_its_handshake
     started = time.monotonic()
     lost = handshake.outcome(queue.SimpleQueue(), shared, 0.1, "ipc://x")
     assert isinstance(lost, ProducerLost) and shared.stop.is_set() and time.monotonic() - started < 1.0
+
+
+needs_unshare = pytest.mark.skipif(
+    not unshare_pid_works(), reason="unshare --pid needs root (CI runs as root)"
+)
+
+# A trainer as _consume, reporting on stdout: run in a PID namespace of its own.
+_NAMESPACED_TRAINER = """
+import json, sys
+from tests.test_restart import _consume
+
+class Out:
+    def put(self, report):
+        print("REPORT " + json.dumps(report), flush=True)
+
+_consume(sys.argv[1], {"timeout": 4.0}, Out())
+"""
+
+
+@needs_unshare
+def test_a_trainer_in_another_pid_namespace_rejoins_a_successor_that_bound_before_it_noticed(name):
+    """In another PID namespace (a container) a trainer cannot watch its producer's pid: it
+    notices the death by its silence, after `timeout`. A successor that binds sooner gets its
+    heartbeats on its old connection, which ZeroMQ made again to the new producer; it must
+    leave them be, so the trainer rejoins once it notices. Before, it answered EVICTED
+    ('unknown consumer') to its next heartbeat, and the trainer failed with Evicted."""
+    expected = restart_pipeline.uninterrupted(restart_pipeline.seeded(), EPOCHS)
+    die = SPAWN.Event()
+    first = SPAWN.Process(target=_publish_then_die, args=(name, 6, die))
+    first.start()
+    command = ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", _NAMESPACED_TRAINER, name]
+    trainer = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        state = restart.state_path(endpoint.resolve(name))
+        wait_until(
+            lambda: (
+                state.exists() and restart.read(state).point.index >= 4 and restart.read(state).consumers == 1
+            ),
+            60,
+            "the trainer to receive 4 batches",
+        )
+        die.set()
+        first.join(timeout=60)
+        assert first.exitcode == -signal.SIGKILL
+        with Producer(restart_pipeline.seeded(), name=name, resume=True, slots=8) as successor:
+            successor.serve(epochs=EPOCHS)  # (bound at once, well within the trainer's 4 s)
+        out, err = trainer.communicate(timeout=120)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+    reports = [line for line in out.splitlines() if line.startswith("REPORT ")]
+    assert trainer.returncode == 0 and reports, f"exit {trainer.returncode}\n{out[-2000:]}\n{err[-4000:]}"
+    report = json.loads(reports[-1][len("REPORT ") :])
+    seen = [[(i, noise) for i, noise in epoch] for epoch in report["seen"]]
+    assert seen == expected and report["repeated"] is None and report["missed"] is None

@@ -303,6 +303,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise UsageError(str(exc)) from None
         except (TypeError, ValueError) as exc:
             raise UsageError(f"pipeline {args.pipeline} returned {type(loader).__name__}: {exc}") from None
+        except OSError as exc:  # (--resume: the loader, running its epoch again, as in serve() below)
+            log.error("could not resume: %s", describe(exc))
+            log.debug("traceback", exc_info=True)
+            return EXIT_FAIL
         if args.progress > 0:
             progress = threading.Thread(
                 target=_progress,

@@ -120,6 +120,7 @@ class Producer:
             self.samples_per_epoch,
             uuid.uuid4().hex if begun is None else begun.stream,
             None,
+            begun is not None and begun.state is not None,
         )
         self._shared = Shared(config, flow, store)
         self._shared.preparing = None if begun is None else begun.preparing
@@ -131,6 +132,8 @@ class Producer:
             store.close()
             self._release_lock()
             raise
+        if begun is None:
+            successor.fresh_stream(self.endpoint)
         if bound != self.endpoint:  # a tcp ":*" endpoint: the port the OS picked
             self.endpoint = bound
             self._shared.config = dataclasses.replace(config, endpoint=bound)

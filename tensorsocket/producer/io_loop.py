@@ -27,7 +27,7 @@ from . import successor
 from .room import check_group_fits, evict_group_that_does_not_fit
 from .session_turns import HANDOVER, publisher_turn
 from .sessions import QUEUE_PER_PEER, Sessions, send_zmq
-from .shared import TICK, TICK_MS, Peer, Shared, heartbeat_every
+from .shared import ROUTINE, TICK, TICK_MS, Peer, Shared, heartbeat_every
 
 log = logging.getLogger("tensorsocket")
 
@@ -224,11 +224,7 @@ class IoLoop:
         elif kind is Kind.STATUS:
             shared.post(cid, protocol.encode(Kind.STATUS, status=shared.status()))
         elif peer is None:
-            if kind is Kind.BYE:
-                shared.held.pop(cid, None)  # (one that gave up waiting for its WELCOME)
-            else:
-                reason = "unknown consumer: it was evicted or never joined"
-                shared.post(cid, protocol.encode(Kind.EVICTED, reason=reason))
+            _from_unknown(shared, cid, kind)
         elif kind is Kind.READY:
             if not evict_group_that_does_not_fit(shared, cid, self.drop):  # (else the stream goes on)
                 shared.send_joined(
@@ -333,7 +329,23 @@ class IoLoop:
                     self.drop(cid, f"was silent for {now - peer.last_seen:.1f} s; evicted", reason)
                 elif now - peer.last_sent > heartbeat_every(peer.timeout):
                     shared.post(cid, protocol.encode(Kind.HEARTBEAT))
+            if shared.tracker is not None and shared.tracker.catch_up_due(now):
+                shared.tracker.save(*shared.restart_where())
             shared.notify()
+
+
+def _from_unknown(shared: Shared, cid: bytes, kind: Kind) -> None:
+    """A message (not HELLO or STATUS) from a consumer that is not joined (lock held)."""
+    if kind is Kind.BYE:
+        shared.held.pop(cid, None)  # (one that gave up waiting for its WELCOME)
+    elif shared.config.succeeds and kind in ROUTINE and cid not in shared.departed:
+        # Our predecessor's consumer, its connection re-made to us by ZeroMQ before it noticed
+        # the restart (in another PID namespace it cannot watch the pid, only our silence): it
+        # rejoins with a HELLO once it does. An EVICTED would end its stream.
+        pass
+    else:
+        reason = "unknown consumer: it was evicted or never joined"
+        shared.post(cid, protocol.encode(Kind.EVICTED, reason=reason))
 
 
 def _cut_off_unread(io: IoLoop, full: list[Hashable]) -> None:

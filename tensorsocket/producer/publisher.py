@@ -140,6 +140,8 @@ class Publisher:
                 keep = self.replay.kept.add(
                     Kept(seq, kept[0], shared.flow.epoch, self.index, ref, kept[1], kept[2])
                 )
+            if self.tracker is not None and content is not None:
+                self.tracker.fingerprinted(seq, self.epoch, self.index, content)
             shared.send_all(shared.flow.publish(place, frame, keep))
             self.replay.kept.prune(shared.flow.kept_from())
             self.index += 1
@@ -154,7 +156,7 @@ class Publisher:
             shared.wakeup.wake()
         if self.tracker is not None and where is not None and content is not None:
             # (the loader's state_dict() may take a while: not under the lock)
-            self.tracker.published(seq, self.epoch, self.first_seq, self.index - 1, content)
+            self.tracker.published(seq, self.epoch, self.first_seq, self.index - 1)
             self.tracker.save(*where)
         return batch
 

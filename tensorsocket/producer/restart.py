@@ -52,9 +52,10 @@ import numpy as np
 import torch
 
 from .. import fingerprints, layout
+from ..errors import StateFileError
 from ..flow import Flow
 from ..pooled_collate import LoaderPool
-from .state_file import Point, State, check_matches, decode, encode, read, remove, state_path, write
+from .state_file import Point, State, applying, check_matches, decode, encode, read, remove, state_path, write
 
 # the state file's API, re-exported: restart is what the producer and tests use
 __all__ = ["Point", "State", "check_matches", "decode", "encode", "read", "remove", "state_path", "write"]
@@ -156,6 +157,7 @@ class Tracker:
     fingerprints: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # seq -> (epoch, index, fp)
     epoch_rng: dict[int, dict[str, Any]] = field(default_factory=dict)  # at each epoch's start
     last_write: float = 0.0
+    lagging: bool = False  # a write was skipped (WRITE_EVERY): due once that much time passed
     written: int | None = None  # the restart point last written
     joins: int = 0  # the Shared.joins of the last write: a point taken before a join is stale
     consumers: int = 0  # the consumers last written: one more is written at once (a successor waits for it)
@@ -189,9 +191,14 @@ class Tracker:
         self.points[seq] = Point(epoch, seq, 0, rng)
 
     @_locked
-    def published(self, seq: int, epoch: int, first_seq: int, index: int, fingerprint: int) -> None:
-        """Batch ``seq`` went out: record it, and the point after it."""
+    def fingerprinted(self, seq: int, epoch: int, index: int, fingerprint: int) -> None:
+        """Batch ``seq`` is about to go out (lock held): any state written once a consumer may
+        have it must let a successor check it, or an epoch that does not repeat goes unseen."""
         self.fingerprints[seq] = (epoch, index, fingerprint)
+
+    @_locked
+    def published(self, seq: int, epoch: int, first_seq: int, index: int) -> None:
+        """Batch ``seq`` went out: record the point after it."""
         # A stateful loader resumes mid-epoch from its own state; the random states there are
         # what its augmentations (drawn in this process: it has no workers) draw from next.
         # (~140 us, NumPy's ~90 of it: the price of exactness here)
@@ -218,7 +225,10 @@ class Tracker:
         older) would undo that, so it is not written."""
         now = time.monotonic()
         soon = now - self.last_write < WRITE_EVERY and consumers == self.consumers
-        if (not force and soon) or joins < self.joins:
+        if joins < self.joins:
+            return
+        if not force and soon:
+            self.lagging = True
             return
         point = self.points.get(restart_point)
         if point is None:  # nothing published since the last point was written
@@ -233,6 +243,12 @@ class Tracker:
         write(self.path, encode(State(self.stream, self.description, point, prints, consumers)))
         self.seconds_writing += time.perf_counter() - t0
         self.last_write, self.written, self.joins, self.consumers = now, restart_point, joins, consumers
+        self.lagging = False
+
+    def catch_up_due(self, now: float) -> bool:
+        """A write skipped for WRITE_EVERY is due: made by the I/O thread, as nothing may publish
+        again soon to make it (the window full under a consumer that holds its batches)."""
+        return self.lagging and now - self.last_write >= WRITE_EVERY
 
     def behind(self, restart_point: int) -> bool:
         """Has the restart point moved back past the one written (a consumer joined and
@@ -269,30 +285,32 @@ def resume(
     state: State,
     new_stream: str,
     pool: LoaderPool,
+    path: Path,
     progress: Callable[[int], None] | None = None,
 ) -> Resumed:
     """Make ``loader`` continue the stream ``state`` describes (see the module docstring): load
     its state, or restore the random states and run the epoch again up to the point, checking
     the batch before it (a batch at the point that was published is pulled and checked too).
     A rerun whose batch differs starts the epoch again as ``new_stream``; a stateful loader
-    whose batch differs raises ValueError. The iterator is opened through ``pool`` (its workers
+    whose batch differs raises StateFileError. The iterator is opened through ``pool`` (its workers
     keep the collate they start with, for the producer's life). ``progress``: told the
     batches pulled so far, after each."""
     p, stateful = state.point, state.loader["mode"] == STATEFUL
     out = Resumed(state.stream, p.epoch, p.first_seq, p.index, p.rng, state.consumers, state.fingerprints)
     out.loader_state = p.loader_state
+    mid_epoch = stateful and p.index > 0 and not p.ended
+    with applying(path):  # (what the loader does from iter() on raises its own errors)
+        if mid_epoch:
+            loader.load_state_dict(p.loader_state)
+        else:  # before iter(): the epoch's order is drawn there
+            set_rng_state(loader, p.rng)
     if p.ended:  # the next epoch starts as after its end (an epoch's start needs no loader state)
-        set_rng_state(loader, p.rng)
         out.at_end = True
         return out
-    mid_epoch = stateful and p.index > 0
-    if mid_epoch:
-        loader.load_state_dict(p.loader_state)
-    else:
-        set_rng_state(loader, p.rng)  # before iter(): the epoch's order is drawn there
     it = pool.open(p.epoch)
     if mid_epoch:  # iter() drew from the generators again: put them back as they were there
-        set_rng_state(loader, p.rng)
+        with applying(path):
+            set_rng_state(loader, p.rng)
     if stateful or p.index == 0:  # check the batch at the point, if it was published
         skip, checked = 0, (p.epoch, p.index)
     else:  # run the epoch again up to the point; check the batch before it
@@ -316,7 +334,7 @@ def resume(
         out.pending = [last] if checked[1] == p.index and last is not None else []
         return out
     if stateful:
-        raise ValueError(
+        raise StateFileError(
             f"the loader, loaded with its saved state, gives batch {checked[1]} of epoch {p.epoch} other than "
             "before the restart (its dataset or order changed?): remove the state file to begin a fresh stream"
         )

@@ -57,7 +57,7 @@ from .restart import Tracker, rejoinable
 
 TICK = 0.05  # seconds between liveness checks, and the longest any wait goes unchecked
 TICK_MS = int(TICK * 1000)
-_ROUTINE = frozenset((Kind.RELEASE, Kind.STATS, Kind.HEARTBEAT))
+ROUTINE = frozenset((Kind.RELEASE, Kind.STATS, Kind.HEARTBEAT))
 _MAX_HEARTBEAT = 1.0
 
 
@@ -103,6 +103,7 @@ class Config:
     samples_per_epoch: int | None
     stream: str = ""  # this stream's id (a restored consumer's position names the stream it is on)
     restarted: list[Any] | None = None  # [old stream, epoch]: this stream starts that one's epoch again
+    succeeds: bool = False  # resumed a predecessor's stream (its consumers may write to us unawares)
 
 
 class Shared:
@@ -168,7 +169,7 @@ class Shared:
         come with every few batches, which either thread applies. False for any other message
         (the I/O thread's to apply)."""
         peer = self.peers.get(cid)
-        if peer is None or kind not in _ROUTINE:
+        if peer is None or kind not in ROUTINE:
             return False
         peer.last_seen = now
         if kind is Kind.RELEASE:

@@ -7,11 +7,13 @@ the file). :mod:`.restart` says what the fields mean and how a successor uses th
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import os
 import pickle
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ from typing import Any
 import torch
 
 from .. import endpoint as endpoints
+from ..errors import StateFileError
 
 FORMAT = 1
 _KEY = "tensorsocket_producer_state"
@@ -152,3 +155,19 @@ def check_matches(state: State, description: dict[str, Any], where: Path) -> Non
             f"{description}. Resuming would publish another stream under the old one's numbers. Start it "
             f"without resume=True, or remove {where}, to begin a fresh stream"
         )
+
+
+@contextlib.contextmanager
+def applying(path: Path) -> Iterator[None]:
+    """Reading or applying the state file at ``path`` (not the loader's own work, whose errors
+    are its own): what fails is a StateFileError naming the file, never a wrong resume."""
+    try:
+        yield
+    except ValueError as exc:  # (its own ValueErrors say what is wrong already)
+        said = str(exc) if "fresh stream" in str(exc) else f"{exc}: remove it to begin a fresh stream"
+        raise StateFileError(said) from None
+    except (TypeError, AttributeError, KeyError, IndexError, RuntimeError) as exc:
+        raise StateFileError(
+            f"the state file {path} could not be applied ({type(exc).__name__}: {exc}): remove it "
+            "to begin a fresh stream"
+        ) from exc

@@ -15,22 +15,22 @@ the epoch). If the rerun fails, each is answered with the error; if it is interr
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import uuid
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .. import protocol
-from ..errors import ProtocolError, StateFileError
+from ..errors import ProtocolError
 from ..host import pid_alive, same_host
 from ..pooled_collate import LoaderPool
 from ..protocol import Kind
 from . import restart
 from .shared import Shared, heartbeat_every
+from .state_file import applying
 
 log = logging.getLogger("tensorsocket")
 
@@ -59,36 +59,27 @@ class Begun:
         return f"resuming stream {self.stream}: running epoch {p.epoch} again up to batch {p.index}"
 
 
-@contextlib.contextmanager
-def _state_file_errors(path: Path) -> Iterator[None]:
-    """A state file that cannot be applied as a StateFileError naming it: never a wrong resume."""
-    try:
-        yield
-    except ValueError as exc:  # (its own ValueErrors say what is wrong already)
-        said = str(exc) if "fresh stream" in str(exc) else f"{exc}: remove it to begin a fresh stream"
-        raise StateFileError(said) from None
-    except (TypeError, AttributeError, KeyError, IndexError, RuntimeError) as exc:
-        raise StateFileError(
-            f"the state file {path} could not be applied ({type(exc).__name__}: {exc}): remove it "
-            "to begin a fresh stream"
-        ) from exc
-
-
 def begin(loader: Any, endpoint: str, resume: bool, batches: int | None, samples: int | None) -> Begun | None:
     """Before the bind: with ``resume``, the state file read and checked against ``loader``;
-    without, the file removed (a fresh stream on this name: an older state must not be
-    resumed later) and None."""
+    without, None (see :func:`fresh_stream`)."""
     if not resume:
-        if not endpoint.endswith(":*"):
-            restart.remove(restart.state_path(endpoint))
         return None
     path = restart.state_path(endpoint)
     description = restart.describe(loader, batches, samples)
-    with _state_file_errors(path):
+    with applying(path):
         state = restart.read(path)
         if state is not None:
             restart.check_matches(state, description, path)
     return Begun(endpoint, path, description, state, uuid.uuid4().hex if state is None else state.stream)
+
+
+def fresh_stream(endpoint: str) -> None:
+    """Once bound without ``resume``: a fresh stream on this endpoint, so an older state must
+    not be resumed later. Not before the bind: a tcp endpoint has no lock file, and a producer
+    that turns out not to bind (another serves there) must not remove the state of the one
+    that does."""
+    if not endpoint.endswith(":*"):  # (the port picked is new: no state can be of it)
+        restart.remove(restart.state_path(endpoint))
 
 
 def finish(
@@ -98,8 +89,7 @@ def finish(
     with the batches pulled so far), and the tracker that keeps the state file from here."""
     state, resumed = begun.state, None
     if state is not None:
-        with _state_file_errors(begun.path):
-            resumed = restart.resume(loader, state, uuid.uuid4().hex, pool, progress)
+        resumed = restart.resume(loader, state, uuid.uuid4().hex, pool, begun.path, progress)
         log.info(
             "resuming stream %s of %s at batch %d of epoch %d (%s)",
             state.stream, begun.endpoint, resumed.index, resumed.epoch,
