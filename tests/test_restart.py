@@ -426,6 +426,22 @@ def test_a_clean_end_removes_the_state_file_and_a_fresh_start_writes_one(name):
         assert not path.exists()
 
 
+@pytest.mark.parametrize("resume", [True, False])
+def test_a_state_file_write_cut_short_by_a_kill_leaves_nothing_once_the_name_is_served_again(name, resume):
+    """The temporary file a producer SIGKILLed while it wrote its state left behind goes when
+    the name is served again (by a successor, or a fresh stream); another name's stays."""
+    path = restart.state_path(endpoint.resolve(name))
+    leftover = path.with_name(f".{path.name}.x1y2z3ab.tmp")
+    other = path.with_name(f".{path.name}-other.state.x1y2z3ab.tmp")
+    for p in (leftover, other):
+        p.write_bytes(b"half a state")
+    try:
+        with Producer(restart_pipeline.seeded(), name=name, resume=resume):
+            assert not leftover.exists() and other.exists()
+    finally:
+        other.unlink()
+
+
 def test_a_fresh_producer_that_cannot_bind_leaves_the_serving_ones_state_file():
     """A tcp endpoint has no lock file: a second producer without resume on one already served
     fails to bind, and must leave the state of the one serving there (stalled, it may not write

@@ -132,8 +132,7 @@ class Producer:
             store.close()
             self._release_lock()
             raise
-        if begun is None:
-            successor.fresh_stream(self.endpoint)
+        successor.bound(self.endpoint, fresh=begun is None)
         if bound != self.endpoint:  # a tcp ":*" endpoint: the port the OS picked
             self.endpoint = bound
             self._shared.config = dataclasses.replace(config, endpoint=bound)

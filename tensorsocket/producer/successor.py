@@ -16,6 +16,7 @@ the epoch). If the rerun fails, each is answered with the error; if it is interr
 from __future__ import annotations
 
 import dataclasses
+import glob
 import logging
 import uuid
 from collections.abc import Callable, Hashable
@@ -73,13 +74,19 @@ def begin(loader: Any, endpoint: str, resume: bool, batches: int | None, samples
     return Begun(endpoint, path, description, state, uuid.uuid4().hex if state is None else state.stream)
 
 
-def fresh_stream(endpoint: str) -> None:
-    """Once bound without ``resume``: a fresh stream on this endpoint, so an older state must
-    not be resumed later. Not before the bind: a tcp endpoint has no lock file, and a producer
-    that turns out not to bind (another serves there) must not remove the state of the one
-    that does."""
-    if not endpoint.endswith(":*"):  # (the port picked is new: no state can be of it)
-        restart.remove(restart.state_path(endpoint))
+def bound(endpoint: str, fresh: bool) -> None:
+    """Once bound, the endpoint's state files are ours: the temporary ones a predecessor killed
+    while it wrote left go, and without ``resume`` (``fresh``) the state too (a fresh stream: an
+    older state must not be resumed later). Not before the bind: a tcp endpoint has no lock
+    file, and a producer that turns out not to bind (another serves there) must not remove the
+    files of the one that does."""
+    if endpoint.endswith(":*"):  # (the port picked is new: no state can be of it)
+        return
+    path = restart.state_path(endpoint)
+    for leftover in path.parent.glob(f".{glob.escape(path.name)}.????????.tmp"):  # (mkstemp's 8)
+        restart.remove(leftover)
+    if fresh:
+        restart.remove(path)
 
 
 def finish(
