@@ -492,3 +492,67 @@ def test_a_trainer_in_another_pid_namespace_rejoins_a_successor_that_bound_befor
     report = json.loads(reports[-1][len("REPORT ") :])
     seen = [[(i, noise) for i, noise in epoch] for epoch in report["seen"]]
     assert seen == expected and report["repeated"] is None and report["missed"] is None
+
+
+def _publish_pause_publish_die(name: str, first: int, go: Any, die: Any) -> None:
+    """A resumable producer (8 places) that publishes ``first`` batches, waits for ``go``,
+    publishes one more, waits for ``die`` and SIGKILLs itself."""
+    producer = Producer(restart_pipeline.seeded(), name=name, resume=True, slots=8)
+    for n, _ in enumerate(producer, 1):
+        if n == first:
+            go.wait(60)
+        elif n == first + 1:
+            die.wait(60)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _trainer_holding_its_first(name: str, hold: int, holding: Any, out: Any) -> None:
+    """A trainer that keeps its first ``hold`` batches (their places stay taken: the next batch
+    goes to a place it never mapped) and sets ``holding`` with them in hand; as _consume else."""
+    seen: list[list[Any]] = []
+    held: list[Any] | None = []
+    with Consumer(name=name, timeout=5.0, reconnect=60.0) as consumer:
+        while not consumer.finished:
+            epoch = []
+            for ids, noise in consumer:
+                epoch += [(int(i), n.tolist()) for i, n in zip(ids, noise, strict=True)]
+                if held is not None:
+                    held.append((ids, noise))
+                    if len(held) == hold:
+                        holding.set()
+                        held = None
+            if epoch or not consumer.finished:
+                seen.append(epoch)
+        out.put({"seen": seen, "repeated": consumer.repeated, "missed": consumer.missed})
+
+
+def test_a_trainer_frozen_with_a_batch_unread_when_its_producer_died_rejoins_from_that_batch(name):
+    """A trainer stopped (SIGSTOP) while its producer sends a batch into a place it never
+    mapped, then dies; the successor unlinks what it left, and the trainer, let go on, finds
+    that batch's memory gone. It never had the batch: it rejoins from it, exactly. Before, it
+    took the batch for one lost (as after an eviction) and raised ProducerLost."""
+    expected = restart_pipeline.uninterrupted(restart_pipeline.seeded(), EPOCHS)
+    go, die, holding, out = SPAWN.Event(), SPAWN.Event(), SPAWN.Event(), SPAWN.Queue()
+    first = SPAWN.Process(target=_publish_pause_publish_die, args=(name, 3, go, die))
+    first.start()
+    trainer = SPAWN.Process(target=_trainer_holding_its_first, args=(name, 3, holding, out))
+    trainer.start()
+    try:
+        assert holding.wait(60)
+        os.kill(trainer.pid, signal.SIGSTOP)
+        go.set()
+        state = restart.state_path(endpoint.resolve(name))
+        wait_until(lambda: (0, 3) in restart.read(state).fingerprints, 30, "batch 3 to be sent")
+        die.set()
+        first.join(timeout=60)
+        assert first.exitcode == -signal.SIGKILL
+        with Producer(restart_pipeline.seeded(), name=name, resume=True, slots=8) as successor:
+            os.kill(trainer.pid, signal.SIGCONT)
+            successor.serve(epochs=EPOCHS)
+        result = out.get(timeout=60)
+    finally:
+        os.kill(trainer.pid, signal.SIGCONT)
+        trainer.join(timeout=30)
+    assert result["seen"] == expected and result["missed"] is None, _first_difference(
+        result["seen"], expected
+    )

@@ -48,6 +48,7 @@ class Inbox:
         self.last_seen = time.monotonic()  # the last message from the producer, read by either thread
         self.over = False  # the caller's thread read the end of this consumer's stream (EVICTED, say)
         self.freed: str | None = None  # a batch lost: its arena was gone before we mapped it (why)
+        self.before_freed: tuple[int, tuple[int, int]] | None = None  # (last_seq, next_at) before it
 
     def caller_may_read(self) -> bool:
         """Whether the caller's thread may read the link now: a session (no ZeroMQ socket to
@@ -177,7 +178,9 @@ class Inbox:
         its timeout, say; the producer may even have finished and closed since), or when it
         closed without waiting for it. The batch is lost: release it, yield nothing after it
         (no batch, no epoch end), and let what follows say which: EVICTED raises Evicted, END
-        ProducerLost (so does the producer's death, or its silence)."""
+        ProducerLost. Or the producer died and a successor unlinked what it left: the batch was
+        not received, and a rejoin goes on from it (``before_freed``)."""
+        self.before_freed = (seq - 1, (epoch, index // self.size * self.size))
         self.freed = (
             f"batch {index} of epoch {epoch} was freed before this consumer read it "
             f"({exc.strerror}: {exc.filename})"
