@@ -26,20 +26,26 @@ EPOCHS, SAMPLES, ROWS = 3, 96, 4
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _consume(name: str, options: dict[str, Any], out: Any, first: Any = None) -> None:
+def _consume(name: str, options: dict[str, Any], out: Any, first: Any = None, hold: int = 1) -> None:
     """A trainer: every epoch's (id, noise) samples, in order, and what it was told. With
-    ``first`` (two events), holding its first batch it sets the first and waits for the
-    second: it was sent no more than its prefetch when the producer died."""
+    ``first`` (two events), holding its first ``hold`` batches (their places stay taken) it
+    sets the first and waits for the second: it was sent no more than its prefetch when the
+    producer died."""
     seen: list[list[Any]] = []
+    held: list[Any] = []
     with Consumer(name=name, **{"timeout": 5.0, "reconnect": 60.0, **options}) as consumer:
         while not consumer.finished:
             epoch = []
             for ids, noise in consumer:
                 epoch += [(int(i), n.tolist()) for i, n in zip(ids, noise, strict=True)]
                 if first is not None:
+                    held.append((ids, noise))
+                    if len(held) < hold:
+                        continue
                     first[0].set()
                     assert first[1].wait(60)
                     first = None
+                    held.clear()
             if epoch or not consumer.finished:
                 seen.append(epoch)
         out.put({"options": options, "seen": seen, "repeated": consumer.repeated, "missed": consumer.missed})

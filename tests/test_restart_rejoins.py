@@ -506,36 +506,18 @@ def _publish_pause_publish_die(name: str, first: int, go: Any, die: Any) -> None
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _trainer_holding_its_first(name: str, hold: int, holding: Any, out: Any) -> None:
-    """A trainer that keeps its first ``hold`` batches (their places stay taken: the next batch
-    goes to a place it never mapped) and sets ``holding`` with them in hand; as _consume else."""
-    seen: list[list[Any]] = []
-    held: list[Any] | None = []
-    with Consumer(name=name, timeout=5.0, reconnect=60.0) as consumer:
-        while not consumer.finished:
-            epoch = []
-            for ids, noise in consumer:
-                epoch += [(int(i), n.tolist()) for i, n in zip(ids, noise, strict=True)]
-                if held is not None:
-                    held.append((ids, noise))
-                    if len(held) == hold:
-                        holding.set()
-                        held = None
-            if epoch or not consumer.finished:
-                seen.append(epoch)
-        out.put({"seen": seen, "repeated": consumer.repeated, "missed": consumer.missed})
-
-
 def test_a_trainer_frozen_with_a_batch_unread_when_its_producer_died_rejoins_from_that_batch(name):
     """A trainer stopped (SIGSTOP) while its producer sends a batch into a place it never
     mapped, then dies; the successor unlinks what it left, and the trainer, let go on, finds
     that batch's memory gone. It never had the batch: it rejoins from it, exactly. Before, it
     took the batch for one lost (as after an eviction) and raised ProducerLost."""
     expected = restart_pipeline.uninterrupted(restart_pipeline.seeded(), EPOCHS)
-    go, die, holding, out = SPAWN.Event(), SPAWN.Event(), SPAWN.Event(), SPAWN.Queue()
+    go, die, out = SPAWN.Event(), SPAWN.Event(), SPAWN.Queue()
+    holding, let_go = SPAWN.Event(), SPAWN.Event()
     first = SPAWN.Process(target=_publish_pause_publish_die, args=(name, 3, go, die))
     first.start()
-    trainer = SPAWN.Process(target=_trainer_holding_its_first, args=(name, 3, holding, out))
+    # (it keeps its first 3 batches: batch 3 goes to a place it never mapped)
+    trainer = SPAWN.Process(target=_consume, args=(name, {}, out, (holding, let_go), 3))
     trainer.start()
     try:
         assert holding.wait(60)
@@ -548,6 +530,7 @@ def test_a_trainer_frozen_with_a_batch_unread_when_its_producer_died_rejoins_fro
         assert first.exitcode == -signal.SIGKILL
         with Producer(restart_pipeline.seeded(), name=name, resume=True, slots=8) as successor:
             os.kill(trainer.pid, signal.SIGCONT)
+            let_go.set()
             successor.serve(epochs=EPOCHS)
         result = out.get(timeout=60)
     finally:

@@ -55,10 +55,34 @@ from .. import fingerprints, layout
 from ..errors import StateFileError
 from ..flow import Flow
 from ..pooled_collate import LoaderPool
-from .state_file import Point, State, applying, check_matches, decode, encode, read, remove, state_path, write
+from .state_file import (
+    Point,
+    State,
+    applying,
+    check_matches,
+    decode,
+    encode,
+    read,
+    remove,
+    remove_leftovers,
+    state_path,
+    write,
+)
 
 # the state file's API, re-exported: restart is what the producer and tests use
-__all__ = ["Point", "State", "check_matches", "decode", "encode", "read", "remove", "state_path", "write"]
+__all__ = [
+    "Point",
+    "State",
+    "applying",
+    "check_matches",
+    "decode",
+    "encode",
+    "read",
+    "remove",
+    "remove_leftovers",
+    "state_path",
+    "write",
+]
 
 log = logging.getLogger("tensorsocket")
 

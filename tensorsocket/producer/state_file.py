@@ -8,6 +8,7 @@ the file). :mod:`.restart` says what the fields mean and how a successor uses th
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import io
 import os
@@ -24,6 +25,7 @@ from .. import endpoint as endpoints
 from ..errors import StateFileError
 
 FORMAT = 1
+_TMP_PREFIX, _TMP_SUFFIX, _TMP_RANDOM = ".{}.", ".tmp", 8  # write()'s temporary files (mkstemp's 8)
 _KEY = "tensorsocket_producer_state"
 MAX_BYTES = 64 << 20  # a state file larger than this was not written by a producer
 
@@ -130,7 +132,7 @@ def read(path: Path) -> State | None:
 def write(path: Path, data: bytes) -> None:
     """Replace the state file atomically: a reader sees the old state or the new one. The
     temporary file is new (O_EXCL, mode 0600), never one someone put there."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_TMP_PREFIX.format(path.name), suffix=_TMP_SUFFIX)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -138,6 +140,14 @@ def write(path: Path, data: bytes) -> None:
     except BaseException:
         remove(Path(tmp))
         raise
+
+
+def remove_leftovers(path: Path) -> None:
+    """Remove the temporary files of :func:`write` that a process killed while it wrote left
+    (call it only with the name held: another producer's write may be under way)."""
+    pattern = f"{glob.escape(_TMP_PREFIX.format(path.name))}{'?' * _TMP_RANDOM}{_TMP_SUFFIX}"
+    for leftover in path.parent.glob(pattern):
+        remove(leftover)
 
 
 def remove(path: Path) -> None:

@@ -16,7 +16,6 @@ the epoch). If the rerun fails, each is answered with the error; if it is interr
 from __future__ import annotations
 
 import dataclasses
-import glob
 import logging
 import uuid
 from collections.abc import Callable, Hashable
@@ -31,7 +30,6 @@ from ..pooled_collate import LoaderPool
 from ..protocol import Kind
 from . import restart
 from .shared import Shared, heartbeat_every
-from .state_file import applying
 
 log = logging.getLogger("tensorsocket")
 
@@ -62,12 +60,12 @@ class Begun:
 
 def begin(loader: Any, endpoint: str, resume: bool, batches: int | None, samples: int | None) -> Begun | None:
     """Before the bind: with ``resume``, the state file read and checked against ``loader``;
-    without, None (see :func:`fresh_stream`)."""
+    without, None (see :func:`bound`)."""
     if not resume:
         return None
     path = restart.state_path(endpoint)
     description = restart.describe(loader, batches, samples)
-    with applying(path):
+    with restart.applying(path):
         state = restart.read(path)
         if state is not None:
             restart.check_matches(state, description, path)
@@ -83,8 +81,7 @@ def bound(endpoint: str, fresh: bool) -> None:
     if endpoint.endswith(":*"):  # (the port picked is new: no state can be of it)
         return
     path = restart.state_path(endpoint)
-    for leftover in path.parent.glob(f".{glob.escape(path.name)}.????????.tmp"):  # (mkstemp's 8)
-        restart.remove(leftover)
+    restart.remove_leftovers(path)
     if fresh:
         restart.remove(path)
 
