@@ -220,15 +220,13 @@ class Flow(Replaying):
         return None
 
     def _begin(self, cids: list[Hashable]) -> list[Action]:
-        """Send newly started consumers what they may take; a joiner that has not caught up
-        (:meth:`_caught_up`) is catching up: the others wait for it."""
+        """Send newly started consumers what they may take; each is catching up (the others
+        wait for it) until :meth:`_settle`, after the skips it makes, finds it caught up."""
         out: list[Action] = []
         for cid in cids:
-            out.extend(self._deliver(cid, self.consumers[cid]))
-        leader = self._leader_lag()
-        for cid in cids:
             state = self.consumers[cid]
-            state.catching_up = not self._caught_up(state, leader)
+            out.extend(self._deliver(cid, state))
+            state.catching_up = True
         return out + self._settle()
 
     def _join_group(
@@ -526,16 +524,18 @@ class Flow(Replaying):
         return out
 
     def _settle(self) -> list[Action]:
-        """After any change: (policy skip) move consumers more than ``max_lag`` behind the
-        leader ahead; then clear ``catching_up`` for joiners that have caught up."""
+        """After any change: (policy skip) move consumers more than ``max_lag`` behind the leader
+        ahead (one moved past a kept batch it waited for is sent what follows in places and may
+        lead then: measure again); then clear ``catching_up`` for joiners that caught up."""
         out: list[Action] = []
-        if self.max_lag is None:  # stall: lags are measured from the newest batch, no leader
-            leader = 0
-        else:
-            leader = self._leader_lag()  # skips leave the skipped behind the leader: it stays
+        leader = 0  # stall: lags are measured from the newest batch, no leader
+        while self.max_lag is not None:  # (each round skips a batch at least: this ends)
+            leader = self._leader_lag()
             for cid, state in self.consumers.items():
                 if not state.catching_up and self._lag(state) - leader > self.max_lag:
                     out.extend(self._skip(cid, state, leader + self.max_lag))
+            if self._leader_lag() == leader:
+                break
         for state in self.consumers.values():
             if state.catching_up and self._caught_up(state, leader):
                 state.catching_up = False

@@ -673,10 +673,15 @@ class FlowMachine(RuleBasedStateMachine):
                 for d in out:
                     if isinstance(d, Skipped):  # under skip, a release may move the others ahead
                         assert self.max_lag is not None
-                        for _ in range(d.count):
+                        for _ in range(d.count):  # (as _handle: a joiner sent nothing yet from its first)
                             prev = last[d.consumer]
-                            assert prev is not None, d
-                            e = self.log[prev.seq + 1]
+                            seq = (
+                                prev.seq + 1
+                                if prev is not None
+                                else self._expected_first(self.consumers[d.consumer])
+                            )
+                            assert seq is not None, d
+                            e = self.log[seq]
                             assert e.kind is BATCH, ("skipped a marker", d)
                             last[d.consumer] = e
                         continue
