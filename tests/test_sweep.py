@@ -189,9 +189,11 @@ def test_sweep_2x2_grid_in_two_waves_with_one_failing_trial(workdir: Path) -> No
         assert not pid_alive(pid) and shm_segments(pid) == []
 
 
-def test_a_trial_past_its_timeout_is_stopped_and_the_sweep_goes_on(workdir: Path) -> None:
+def test_a_trial_past_its_timeout_is_stopped_and_the_trials_it_held_up_go_on(workdir: Path) -> None:
     """A trial that hangs holding a batch would hold its wave up for ever: --trial-timeout
-    stops it (its process group), it counts as failed, 'timed out', and the next wave runs."""
+    stops it (its process group), it counts as failed, 'timed out'. The other trial of its
+    wave, which started with it and waited behind it (2 slots, 6 batches), is not charged
+    that wait: it goes on and gets every batch (before: stopped too, 'timed out')."""
     logs = workdir / "logs"
     proc = run_sweep(
         workdir,
@@ -199,7 +201,7 @@ def test_a_trial_past_its_timeout_is_stopped_and_the_sweep_goes_on(workdir: Path
         "--pipeline-arg", f"batches={BATCHES}",
         "--trainer", "python trainer.py --epochs 2",
         "--grid", "hang=1,0",
-        "--parallel", "1",
+        "--slots", "2",
         "--epochs", "2",
         "--trial-timeout", "8",
         "--logs", str(logs),
@@ -208,6 +210,7 @@ def test_a_trial_past_its_timeout_is_stopped_and_the_sweep_goes_on(workdir: Path
     hung, good = json.loads((logs / "summary.json").read_text())["trials"]
     assert (hung["status"], hung["exit_code"]) == ("timed out", -signal.SIGTERM)
     assert 8 < hung["elapsed_s"] < 8 + 10
+    assert good["elapsed_s"] > 8  # it waited behind the hung one until that was stopped
     assert "hanging" in Path(hung["log"]).read_text()  # (it had joined and taken a batch)
     assert not pid_alive(_trainer_pid(Path(hung["log"])))
     assert good["status"] == "done" and good["result"]["samples"] == 2 * BATCHES * BATCH_SIZE

@@ -12,13 +12,17 @@ import time
 from pathlib import Path
 
 from ... import endpoint as endpoints
+from ...status import ConsumerStatus
+from ..query import NoProducer, query_status
 from .report import Display, tail
+from .trial_clock import WaveClock
 from .trials import SweepError, Trial, parse_result
 
 _TICK = 0.1  # seconds between checks of the trial processes
 _TERM_GRACE = 5.0  # seconds between SIGTERM and SIGKILL for a trainer
 _PRODUCER_GRACE = 3.0  # after the last trial of a wave: time for the producer to finish alone
 _PRODUCER_STOP = 15.0  # after "stop": time for the producer to close before SIGKILL
+_POLL = 1.0  # seconds between status polls for --trial-timeout (consumers report each second)
 
 
 class _ProducerProcess:
@@ -146,8 +150,42 @@ def _finish(trial: Trial, code: int, status: str | None = None) -> None:
         trial.result = None
 
 
-def _overran(trial: Trial, limit: float | None) -> bool:
-    return bool(limit) and trial.started is not None and time.monotonic() - trial.started > limit
+class _Limit:
+    """``--trial-timeout``: which running trials have run past it on their own account
+    (:mod:`.trial_clock`), from the wave's producer's status, polled every ``_POLL`` s."""
+
+    def __init__(self, seconds: float, wave: list[Trial], endpoint: str) -> None:
+        self.seconds, self.endpoint = seconds, endpoint
+        self.clock = WaveClock(t.name for t in wave)
+        self.next_poll = 0.0
+
+    def overran(self, wave: list[Trial]) -> set[str]:
+        now = time.monotonic()
+        running = [t for t in wave if t.status == "running" and t.started is not None]
+        if now >= self.next_poll:
+            try:
+                status = query_status(self.endpoint, timeout=_POLL)
+            except (NoProducer, RuntimeError):
+                pass  # no answer this time (busy, or gone): the clocks go on as they are
+            else:
+                waits = [(_trial_of(c, running), c["waiting_s"]) for c in status["consumers"]]
+                self.clock.poll(waits, {t.name for t in running}, time.monotonic())
+            self.next_poll = time.monotonic() + _POLL
+        return {t.name for t in running if self.clock.charged(t.name, t.started, now) > self.seconds}  # type: ignore[arg-type]
+
+
+def _trial_of(consumer: ConsumerStatus, running: list[Trial]) -> str | None:
+    """The trial a consumer belongs to: its process is in the trial's process group (the
+    trainer, or a process it started: torchrun's ranks), else it carries the trial's name
+    as its label (the default, from TENSORSOCKET_TRIAL)."""
+    try:
+        group = os.getpgid(consumer["pid"])
+    except OSError:  # gone, or in another pid namespace
+        group = None
+    for t in running:
+        if t.process is not None and t.process.pid == group:
+            return t.name
+    return consumer["label"]
 
 
 def terminate(trials: list[Trial], status: str = "stopped") -> None:
@@ -199,14 +237,16 @@ def run_wave(
             display.changed(trial)
             if trial.status != "running":  # could not even start: the producer must not wait for it
                 producer.tell("exited")
+        limit = _Limit(args.trial_timeout, wave, producer.endpoint) if args.trial_timeout else None
         while any(t.status == "running" for t in wave):
             time.sleep(_TICK)
+            overran = set() if limit is None else limit.overran(wave)
             for trial in wave:
                 if trial.status == "running" and trial.process is not None:
                     code = trial.process.poll()
                     if code is not None:
                         _finish(trial, code)
-                    elif _overran(trial, args.trial_timeout):  # hung, say: it holds up its wave
+                    elif trial.name in overran:  # hung, say: it holds up its wave
                         terminate([trial], "timed out")
                     else:
                         continue

@@ -119,9 +119,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=seconds,
         default=None,
         metavar="SECONDS",
-        help="stop a trial still running this long after it started (SIGTERM to its process "
-        "group, SIGKILL 5 s later): it counts as failed, 'timed out', and its wave goes on "
-        "without it (default: no limit; 0 is none either)",
+        help="stop a trial that has run this long on its own account: the time since it started, "
+        "less what it waited for batches while another trial of its wave was busy (SIGTERM to "
+        "its process group, SIGKILL 5 s later); it counts as failed, 'timed out', and its wave "
+        "goes on without it (default: no limit; 0 is none either)",
     )
 
 
