@@ -1095,6 +1095,29 @@ def test_skip_a_waiting_consumer_that_starts_at_the_boundary_becomes_the_leader(
     check_invariants(flow)
 
 
+def test_skip_a_joiner_is_judged_caught_up_after_the_skips_its_join_causes() -> None:
+    """A consumer waiting for a kept batch in no place, moved past it by a join, is sent what
+    follows in places and leads then: the joiner, which led before that, is a batch behind
+    it and is waited for (before: judged caught up while it led, then left with no slack)."""
+    flow = Flow(window=4, places=4, max_lag=1)
+    for seq in range(4):
+        flow.publish(flow.reserve(), ("batch", seq), keep=10)  # type: ignore[arg-type]
+    flow.end_epoch("e0")  # 4
+    for seq in (5, 6):  # into the places of 0 and 1, which stay kept
+        flow.publish(flow.reserve(), ("batch", seq), keep=10)  # type: ignore[arg-type]
+    assert sent(flow.join("c", prefetch=4, policy=LateJoin.NOW)) == []  # it waits for 0
+    assert flow.consumers["c"].wants == 0 and not flow.consumers["c"].catching_up  # (alone: it leads)
+    out = flow.join("a", prefetch=1)  # replays epoch 1 from 5; c, 6 behind it, is moved past 0, 1
+    assert sent(out, "a") == [5] and skips(out, "c") == 2 and sent(out, "c") == [2, 3, 4, 5, 6]
+    assert flow.lag("c") == 0 and flow.lag("a") == 1 and flow.consumers["a"].catching_up
+    assert flow.reserve() is None  # the leader waits for the joiner
+    check_invariants(flow)
+    assert sent(flow.release("a", [5]), "a") == [6] and not flow.consumers["a"].catching_up
+    flow.release("c", [2, 3, 5, 6])
+    assert flow.reserve() is not None
+    check_invariants(flow)
+
+
 def test_a_joiner_is_sent_kept_batches_again_through_places_the_others_freed() -> None:
     """Two places, five batches kept: a joiner replays the epoch, each kept batch written into
     a place again as it comes to it; the leader waits meanwhile, then goes on."""
