@@ -364,6 +364,9 @@ def run(
         skipped["pinned_h2d_reference"] = f"needs a real GPU; {reason}"
         skipped["gpu_memory"] = f"NVML needs a real GPU; {reason}"
         skipped["targets"] = f"judged on a real GPU only; {reason}"
+        if pinned:  # (pin_memory() needs a CUDA driver: the stand-in has none)
+            skipped["loader_batches_pinned"] = f"pinning needs a real GPU; {reason}"
+            pinned = False
     if kind == "none":
         skipped["gpu_path"] = why or ""
     errors: list[str] = []

@@ -376,7 +376,7 @@ def summarise(runs: dict[str, Any], images: int, epochs: int) -> dict[str, Any]:
         startup = sum(r["startup_cpu_s"] for r in m["reports"])
         summary[mode] = {
             "samples_per_s_per_rank": rates,
-            "mean_samples_per_s_per_rank": round(sum(rates.values()) / len(rates), 1),
+            "mean_samples_per_s_per_rank": round(sum(rates.values()) / len(rates), 1) if rates else None,
             "cpu_s": m["cpu_s"],
             "startup_cpu_s": round(startup, 2),
             "cpu_s_less_startup": round(m["cpu_s"] - startup, 2),
@@ -389,10 +389,15 @@ def summarise(runs: dict[str, Any], images: int, epochs: int) -> dict[str, Any]:
     for mode in [m for m in summary if m != "independent"] if base else []:
         a = summary[mode]
         keys = ("mean_samples_per_s_per_rank", "cpu_s", "cpu_s_less_startup", "peak_pss_mib")
-        summary[f"{mode}_over_independent"] = {k: round(a[k] / base[k], 2) for k in keys} | {
+        ratios = {k: round(a[k] / base[k], 2) if a[k] is not None and base[k] else None for k in keys}
+        summary[f"{mode}_over_independent"] = ratios | {  # (None: a run too short to measure)
             "processes": f"{a['peak_processes']} vs {base['peak_processes']}"
         }
     return summary
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def table(result: dict[str, Any]) -> str:
@@ -405,15 +410,15 @@ def table(result: dict[str, Any]) -> str:
     for mode in modes:
         row = s[mode]
         cells = [f"{v:.1f}" for v in row["samples_per_s_per_rank"].values()]
-        cells += [f"{row[k]:.1f}" for k in ("mean_samples_per_s_per_rank", "cpu_s", "cpu_s_less_startup")]
+        cells += [_fmt(row[k], ".1f") for k in ("mean_samples_per_s_per_rank", "cpu_s", "cpu_s_less_startup")]
         cells += [f"{row['peak_pss_mib']:.0f}", str(row["peak_processes"]), f"{row['wall_s']:.1f}"]
         lines.append(" | ".join([mode.ljust(16), *cells, "yes" if row["exact"] else "NO"]))
     for mode in modes[1:] if "independent" in s else []:
         r = s[f"{mode}_over_independent"]
         lines.append(
-            f"{mode} / independent: per-rank samples/s {r['mean_samples_per_s_per_rank']:.2f}x, "
-            f"CPU s {r['cpu_s']:.2f}x ({r['cpu_s_less_startup']:.2f}x less start-up), "
-            f"peak PSS {r['peak_pss_mib']:.2f}x, processes {r['processes']}"
+            f"{mode} / independent: per-rank samples/s {_fmt(r['mean_samples_per_s_per_rank'], '.2f')}x, "
+            f"CPU s {_fmt(r['cpu_s'], '.2f')}x ({_fmt(r['cpu_s_less_startup'], '.2f')}x less start-up), "
+            f"peak PSS {_fmt(r['peak_pss_mib'], '.2f')}x, processes {r['processes']}"
         )
     return "\n".join(lines)
 

@@ -169,7 +169,7 @@ def _lean_produce(path: str, batches: int, consumers: int, threads: bool, out: A
                 cpu0, wall0 = time.process_time(), time.perf_counter()
             publish(index, batch)
         with changed:
-            send(flow.end_stream(protocol.encode(Kind.END, seq=flow.next_seq, reason=None)))
+            send(flow.end_stream(protocol.encode(Kind.END, seq=flow.next_seq, epoch=flow.epoch, reason=None)))
         wakeup.wake()
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
         done.set()

@@ -819,6 +819,8 @@ def main() -> None:
     parser.add_argument("--straggler-repeats", type=int, default=3)
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
+    if args.epochs < 2:
+        parser.error("--epochs must be 2 or more: the next_epoch joiner starts at the second epoch")
     config = {
         "batch_shape": list(SHAPE),
         "batch_dtype": "float32",
