@@ -101,6 +101,7 @@ def resolve(name: str | None = None, endpoint: str | None = None) -> str:
         host, sep, port = endpoint[6:].rpartition(":")
         if not sep or not (port == "*" or port.isdigit() and 0 <= int(port) < 65536):
             raise ValueError(f"endpoint {endpoint!r}: expected tcp://[host]:port with a port number or *")
+        port = "*" if port != "*" and int(port) == 0 else port  # port 0: any free one, as *
         return f"tcp://{host or '127.0.0.1'}:{port}"
     raise ValueError(f"endpoint {endpoint!r}: only ipc:// and tcp:// endpoints are supported")
 

@@ -71,6 +71,10 @@ class Serving:
         ({"replay": "1G"}, ValueError, ["replay"]),
         ({"grace": -1}, ValueError, ["grace"]),
         ({"grace": "5"}, ValueError, ["grace"]),
+        ({"grace": float("nan")}, ValueError, ["grace"]),  # (would never end)
+        ({"grace": float("inf")}, ValueError, ["grace"]),
+        ({"linger": float("inf")}, ValueError, ["linger"]),
+        ({"linger": True}, ValueError, ["linger"]),
         ({"stragglers": "drop"}, ValueError, ["stragglers", "drop"]),
         ({"max_lag": 2}, ValueError, ["max_lag", "skip"]),
         ({"stragglers": "skip", "max_lag": 8}, ValueError, ["max_lag", "slots"]),
@@ -179,6 +183,9 @@ def test_bad_names_and_endpoints_are_refused_by_both_sides(where, words):
         ({"copy": 1}, ["copy"]),
         ({"device": "nonsense"}, ["device", "nonsense"]),
         ({"label": "x" * 200}, ["label"]),
+        ({"label": "\udcff"}, ["label"]),  # (a lone surrogate: msgpack cannot encode it)
+        ({"timeout": True}, ["timeout"]),
+        ({"reconnect": float("nan")}, ["reconnect"]),
         ({"batch_size": 0}, ["batch_size"]),
         ({"batch_size": True}, ["batch_size"]),
         ({"batch_size": "32"}, ["batch_size"]),
@@ -276,7 +283,7 @@ def test_unshareable_leaf_raises_from_the_producer_loop_too(name):
 # ---------------------------------------------------------------------- endpoints
 
 
-@pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:*", "tcp://:*"])
+@pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:*", "tcp://:*", "tcp://127.0.0.1:0"])
 def test_tcp_random_port_is_reported_and_reachable(endpoint):
     batches = 3
     with Producer(NestedLoader(batches), endpoint=endpoint) as producer:
@@ -358,3 +365,11 @@ def test_runtime_directory_open_to_others_is_refused(tmp_path, monkeypatch):
         runtime_dir()
     with pytest.raises(PermissionError):
         Producer(NestedLoader(2), name="shared-dir")
+
+
+def test_a_prefetch_beyond_what_a_hello_carries_is_capped_like_any_above_slots(name):
+    """The README: prefetch's maximum is the producer's slots. Before, one above 65536 passed
+    construction and the producer refused the HELLO as malformed."""
+    with Producer(NestedLoader(3), name=name, slots=2) as producer, serving(producer, epochs=1):
+        with Consumer(name=name, prefetch=100_000, timeout=10) as consumer:
+            assert [batch[1]["meta"][2] for batch in consumer] == [0, 1, 2]

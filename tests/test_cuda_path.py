@@ -528,3 +528,16 @@ def test_a_gpu_batch_saves_with_torch_save_leaf_by_leaf(name):
                 torch.save(image, alone)
                 assert alone.tell() < image.nbytes + 4096
             assert i == batches - 1
+
+
+def test_a_stream_that_is_not_a_cuda_stream_is_refused_at_construction(name):
+    """Before: accepted, then every release failed in a finalizer (printed, ignored) and the
+    consumer ran out of places after `slots` batches with a misleading Hoarding."""
+    from tensorsocket.transport.device import backend
+
+    producer = Producer(NestedLoader(3), name=name, device="cuda:0", slots=2)
+    with serving(producer, epochs=1):
+        with pytest.raises(ValueError, match="stream must be a CUDA stream"):
+            Consumer(name=name, device="cuda:0", stream="bogus", timeout=10)
+        with Consumer(name=name, device="cuda:0", stream=backend().current_stream(0), timeout=10) as consumer:
+            assert [batch[1]["meta"][2] for batch in consumer] == [0, 1, 2]

@@ -20,6 +20,7 @@ from .. import endpoint as endpoints
 from .. import protocol
 from ..errors import Closed
 from ..flow import LateJoin
+from ..options import is_seconds
 from ..rebatch import Rebatcher, batches_per_epoch
 from ..transport import parse_device
 from ..transport.device import check_visible
@@ -106,7 +107,7 @@ class Consumer:
         reconnect: float = 0.0,
     ) -> None:
         self._closed = True  # until the I/O thread joined: nothing to close, no warning
-        if not isinstance(timeout, (int, float)) or not 0.05 <= timeout <= 86400:
+        if not is_seconds(timeout, 0.05, 86400):
             raise ValueError(f"timeout must be a number of seconds in [0.05, 86400], got {timeout!r}")
         if prefetch is not None and (type(prefetch) is not int or prefetch < 1):
             raise ValueError(f"prefetch must be a positive int or None, got {prefetch!r}")
@@ -114,11 +115,7 @@ class Consumer:
             raise ValueError(f"copy must be True or False, got {copy!r}")
         if not isinstance(check_writes, bool):
             raise ValueError(f"check_writes must be True or False, got {check_writes!r}")
-        if (
-            not isinstance(reconnect, (int, float))
-            or isinstance(reconnect, bool)
-            or not 0 <= reconnect <= 86400
-        ):
+        if not is_seconds(reconnect, 0, 86400):
             raise ValueError(f"reconnect must be a number of seconds in [0, 86400], got {reconnect!r}")
         try:
             self.late_join = LateJoin(late_join)
@@ -144,13 +141,15 @@ class Consumer:
         if label is None:  # a sweep's trial is known by its name (`tensorsocket sweep` sets it)
             label = os.environ.get("TENSORSOCKET_TRIAL", "")[:128] or f"pid {os.getpid()}"
         self.label = label
-        if not isinstance(self.label, str) or len(self.label) > 128:
-            raise ValueError("label must be a string of at most 128 characters")
+        if not isinstance(self.label, str) or len(self.label) > 128 or not self.label.isprintable():
+            raise ValueError(
+                f"label must be a printable string of at most 128 characters, got {self.label!r}"
+            )
         settings = Settings(
             self.endpoint,
             self.label,
             self.timeout,
-            prefetch or _UNLIMITED_PREFETCH,
+            min(prefetch or _UNLIMITED_PREFETCH, _UNLIMITED_PREFETCH),  # (the producer caps it at slots)
             self.late_join.value,
             batch_size,
             self.device,

@@ -17,7 +17,7 @@ from typing import Any
 from .. import endpoint as endpoints
 from ..errors import Closed, IoThreadDied, TensorSocketError
 from ..flow import Flow
-from ..options import STRAGGLERS, default_max_lag
+from ..options import STRAGGLERS, default_max_lag, is_seconds
 from ..pooled_collate import LoaderPool
 from ..rebatch import batch_length
 from ..status import ProducerStatus
@@ -336,8 +336,8 @@ def _check_arguments(
         raise ValueError(f"min_consumers must be an int >= 1, got {min_consumers!r}")
     if replay is not None and (type(replay) is not int or replay < 0):
         raise ValueError(f"replay must be a number of bytes >= 0 (or None for the default), got {replay!r}")
-    if grace is not None and (not isinstance(grace, (int, float)) or isinstance(grace, bool) or grace < 0):
-        raise ValueError(f"grace must be a number of seconds >= 0 or None, got {grace!r}")
+    if grace is not None and not is_seconds(grace):
+        raise ValueError(f"grace must be a finite number of seconds >= 0 or None, got {grace!r}")
     if stragglers not in STRAGGLERS:
         raise ValueError(f"stragglers must be one of {STRAGGLERS}, got {stragglers!r}")
     if stragglers == "stall" and max_lag is not None:
@@ -348,8 +348,8 @@ def _check_arguments(
         )
     if stragglers == "skip" and max_lag is None:
         max_lag = default_max_lag(slots)
-    if not isinstance(linger, (int, float)) or linger < 0:
-        raise ValueError(f"linger must be a number of seconds >= 0, got {linger!r}")
+    if not is_seconds(linger):
+        raise ValueError(f"linger must be a finite number of seconds >= 0, got {linger!r}")
     return max_lag
 
 

@@ -268,6 +268,8 @@ class CudaReader(Reader):
                 f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}): make it visible "
                 "to read its batches, or serve them from host memory with Producer(device='cpu')"
             )
+        if stream is not None and not isinstance(stream, type(self._dev.current_stream(source))):
+            raise ValueError(f"stream must be a CUDA stream (torch.cuda.Stream) or None, got {stream!r}")
         self.gpu, self._source, self.stream = gpu, source, stream
         if device.type == "cuda":
             target = device.index if device.index is not None else _current_ordinal(self._dev)
