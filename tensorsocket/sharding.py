@@ -13,6 +13,7 @@ the number of nodes taken from torchrun's environment unless given.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from collections.abc import Iterable, Iterator
@@ -54,7 +55,35 @@ def open_epoch(loader: Any, epoch: int) -> Iterator[Any]:
     training loop would: ``set_epoch`` first, then ``iter()`` (where a DataLoader draws its
     order)."""
     set_epoch(loader, epoch)
-    return iter(loader if isinstance(loader, Iterable) else loader())
+    if isinstance(loader, Iterable):
+        return iter(loader)
+    made = loader()
+    try:
+        return iter(made)
+    except TypeError:
+        raise TypeError(
+            f"the loader function {_name(loader)} returned a value of type {type(made).__name__}, not an iterable of batches"
+        ) from None
+
+
+def check_factory(loader: Any) -> None:
+    """TypeError at once if ``loader``, a function returning the loader, cannot be called
+    with no arguments (as it is, once per epoch): a function that wants the epoch, say, or the
+    DataLoader class itself. Before, it failed at the first epoch, in the consumers' errors."""
+    if isinstance(loader, Iterable):
+        return
+    try:
+        inspect.signature(loader).bind()
+    except ValueError:  # no signature to read (some builtins): it is called as it is
+        return
+    except TypeError as exc:
+        raise TypeError(
+            f"loader {_name(loader)} is called with no arguments once per epoch to make the loader: {exc}"
+        ) from None
+
+
+def _name(loader: Any) -> str:
+    return getattr(loader, "__qualname__", None) or repr(loader)
 
 
 def node_sampler(

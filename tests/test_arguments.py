@@ -14,6 +14,7 @@ import torch
 
 from tensorsocket import Consumer, Producer, ProducerLost
 from tensorsocket.endpoint import ENV, beyond_this_machine, resolve, runtime_dir
+from tensorsocket.sharding import open_epoch
 from tensorsocket.transport.gpu_topology import GpuPathError
 from tests.support import NestedLoader, expected_batch, join_or_fail, same, serving
 
@@ -142,6 +143,18 @@ def test_producer_rejects_a_one_shot_generator_and_suggests_the_function(name):
 def test_producer_rejects_a_loader_that_is_not_iterable(name, loader):
     with pytest.raises(TypeError, match="loader"):
         Producer(loader, name=name)
+
+
+def test_a_loader_function_that_cannot_be_called_without_arguments_fails_at_construction(name):
+    """It is called with no arguments once per epoch; before, the first epoch failed with the
+    TypeError alone, as the consumers' ProducerLost, not naming the loader."""
+    with pytest.raises(TypeError, match=r"loader .*<lambda>.* no arguments .*'epoch'"):
+        Producer(lambda epoch: [1], name=name)
+    with pytest.raises(TypeError, match=r"loader DataLoader .*'dataset'"):
+        Producer(torch.utils.data.DataLoader, name=name)
+    with pytest.raises(TypeError, match=r"<lambda> returned a value of type int, not an iterable"):
+        open_epoch(lambda: 5, 0)
+    assert list(open_epoch(lambda: [1, 2], 0)) == [1, 2]
 
 
 @pytest.mark.parametrize(

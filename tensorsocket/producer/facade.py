@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from .. import endpoint as endpoints
+from .. import sharding
 from ..errors import Closed, IoThreadDied, TensorSocketError
 from ..flow import Flow
 from ..options import STRAGGLERS, default_max_lag, is_seconds
@@ -330,6 +331,7 @@ def _check_arguments(
         raise TypeError(
             f"loader must be an iterable of batches or a function returning one, got {type(loader).__name__}"
         )
+    sharding.check_factory(loader)
     if type(slots) is not int or slots < 1:
         raise ValueError(f"slots must be a positive int, got {slots!r}")
     if type(min_consumers) is not int or min_consumers < 1:
