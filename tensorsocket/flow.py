@@ -524,18 +524,18 @@ class Flow(Replaying):
         return out
 
     def _settle(self) -> list[Action]:
-        """After any change: (policy skip) move consumers more than ``max_lag`` behind the leader
-        ahead (one moved past a kept batch it waited for is sent what follows in places and may
-        lead then: measure again); then clear ``catching_up`` for joiners that caught up."""
+        """After any change: (skip) move consumers over ``max_lag`` behind the leader ahead, again
+        while that moves the leader (a skip past a kept batch can); then clear ``catching_up``."""
         out: list[Action] = []
-        leader = 0  # stall: lags are measured from the newest batch, no leader
+        leader = 0 if self.max_lag is None else self._leader_lag()  # (stall: lags from the newest)
         while self.max_lag is not None:  # (each round skips a batch at least: this ends)
-            leader = self._leader_lag()
-            for cid, state in self.consumers.items():
-                if not state.catching_up and self._lag(state) - leader > self.max_lag:
-                    out.extend(self._skip(cid, state, leader + self.max_lag))
-            if self._leader_lag() == leader:
+            late = leader + self.max_lag
+            skipped = [c for c, s in self.consumers.items() if not s.catching_up and self._lag(s) > late]
+            for cid in skipped:
+                out.extend(self._skip(cid, self.consumers[cid], late))
+            if not skipped or (now := self._leader_lag()) == leader:
                 break
+            leader = now
         for state in self.consumers.values():
             if state.catching_up and self._caught_up(state, leader):
                 state.catching_up = False
