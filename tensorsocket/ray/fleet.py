@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from .. import pipeline as pipelines
+from ..options import is_seconds
 from .actor import NodeProducer, clean_node
 from .naming import check_base, node_name
 
@@ -267,7 +268,7 @@ def _check(epochs: Any, cpus: Any, restarts: Any, start_timeout: Any, options: M
         raise ValueError(f"cpus must be a number of CPUs >= 0, got {cpus!r}")
     if type(restarts) is not int or restarts < 0:
         raise ValueError(f"restarts must be an int >= 0, got {restarts!r}")
-    if not isinstance(start_timeout, (int, float)) or start_timeout <= 0:
+    if not is_seconds(start_timeout) or start_timeout <= 0:
         raise ValueError(f"start_timeout must be a positive number of seconds, got {start_timeout!r}")
 
 
