@@ -36,6 +36,7 @@ setup(
         "dev": [
             "pytest>=8",
             "pytest-timeout>=2.2",
+            "pytest-xdist>=3.5",  # scripts/test.sh runs the suite in two processes
             "hypothesis>=6.100",
             "ruff>=0.5",
             "psutil>=5.9",

@@ -36,7 +36,6 @@ import ctypes
 import json
 import multiprocessing as mp
 import os
-import queue
 import resource
 import signal
 import subprocess
@@ -51,7 +50,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from benchmarks.compare import _PR_SET_CHILD_SUBREAPER, _children_of, _memory_kib
-from benchmarks.sharing import ROOT, _train, machine, write
+from benchmarks.sharing import ROOT, _train, collect, machine, write
 from producer.imagefolder import ImageFolderDataset, make_dataset, seed_worker
 
 SPAWN = mp.get_context("spawn")
@@ -233,18 +232,8 @@ def _measure(targets: list[tuple[Any, tuple[Any, ...]]], timeout: float) -> dict
     procs = [SPAWN.Process(target=t, args=(*args, out)) for t, args in targets]
     for p in procs:
         p.start()
-    reports: list[dict[str, Any]] = []
     try:
-        while len(reports) < len(procs):
-            try:
-                reports.append(out.get(timeout=1.0))
-            except queue.Empty:
-                dead = [p.pid for p in procs if p.exitcode not in (None, 0)]
-                if dead or time.perf_counter() - started > timeout:
-                    raise RuntimeError(
-                        f"{len(reports)} of {len(procs)} processes reported; "
-                        + (f"pids {dead} failed (tracebacks above)" if dead else f"none for {timeout:.0f} s")
-                    ) from None
+        reports = collect(out, procs, len(procs), timeout)
     finally:
         for p in procs:
             p.join(timeout=60)

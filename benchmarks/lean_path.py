@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from benchmarks import protocol_cost
-from benchmarks.sharing import RESULTS, SPAWN, machine, write
+from benchmarks.sharing import RESULTS, SPAWN, machine, start_and_collect, write
 
 VARIANTS = ("tensorsocket", "lean", "lean+threads")
 _ACCEPT_TIMEOUT = 60.0
@@ -292,11 +292,7 @@ def run_lean(variant: str, consumers: int, batches: int, timeout: float) -> dict
     procs.append(
         SPAWN.Process(target=_lean_produce, args=(path, batches, consumers, variant == "lean+threads", out))
     )
-    for p in procs:
-        p.start()
-    reports = [out.get(timeout=timeout) for _ in procs]
-    for p in procs:
-        p.join(timeout=30)
+    reports = start_and_collect(procs, out, len(procs), timeout)
     producer = next(r for r in reports if r["role"] == "producer")
     taken = [r for r in reports if r["role"] == "consumer"]
     n = batches - 1

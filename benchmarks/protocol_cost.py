@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.sharing import RESULTS, SPAWN, machine, write
+from benchmarks.sharing import RESULTS, SPAWN, machine, start_and_collect, write
 
 VARIANTS = {"read-only": {}, "check_writes": {"check_writes": True}, "zeromq": {}, "plain-waits": {}}
 #: The producer's environment per variant: "zeromq" offers no sessions (every message over ZeroMQ)
@@ -135,11 +135,7 @@ def run_once(
             target=_produce, args=(name, batches, consumers, PRODUCER_ENV.get(variant, {}), out, replay)
         )
     )
-    for p in procs:
-        p.start()
-    reports = [out.get(timeout=timeout) for _ in procs]
-    for p in procs:
-        p.join(timeout=30)
+    reports = start_and_collect(procs, out, len(procs), timeout)
     producer = next(r for r in reports if r["role"] == "producer")
     taken = [r for r in reports if r["role"] == "consumer"]
     n = batches - 1  # per batch after the first

@@ -27,6 +27,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import queue
 import statistics
 import time
 import uuid
@@ -169,20 +170,45 @@ def _producer(
     )
 
 
-def _run(targets: list[tuple[Any, tuple[Any, ...]]], timeout: float) -> list[dict[str, Any]]:
-    """Run every target in its own process; each puts one report on the queue it is given."""
-    out = SPAWN.Queue()
-    reporters = len(targets)
-    procs = [SPAWN.Process(target=t, args=(*args, out)) for t, args in targets]
+def collect(out: Any, procs: list[Any], reporters: int, timeout: float) -> list[dict[str, Any]]:
+    """The first ``reporters`` reports put on ``out`` by ``procs``. Fails at once when one of
+    them exits with an error before every report came (its traceback is above), else after
+    ``timeout`` s with none: a benchmark whose child crashed never waits out its whole timeout."""
+    reports: list[dict[str, Any]] = []
+    deadline = time.monotonic() + timeout
+    while len(reports) < reporters:
+        try:
+            reports.append(out.get(timeout=1.0))
+        except queue.Empty:
+            dead = [p.pid for p in procs if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"{len(reports)} of {reporters} processes reported; "
+                    + (f"pids {dead} failed (tracebacks above)" if dead else f"none for {timeout:.0f} s")
+                ) from None
+    return reports
+
+
+def start_and_collect(procs: list[Any], out: Any, reporters: int, timeout: float) -> list[dict[str, Any]]:
+    """Start ``procs``, :func:`collect` their reports, then end them (killed if still there
+    30 s after: a failed run leaves no process behind)."""
     for p in procs:
         p.start()
     try:
-        return [out.get(timeout=timeout) for _ in range(reporters)]
+        return collect(out, procs, reporters, timeout)
     finally:
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+                p.join()
+
+
+def _run(targets: list[tuple[Any, tuple[Any, ...]]], timeout: float) -> list[dict[str, Any]]:
+    """Run every target in its own process; each puts one report on the queue it is given."""
+    out = SPAWN.Queue()
+    procs = [SPAWN.Process(target=t, args=(*args, out)) for t, args in targets]
+    return start_and_collect(procs, out, len(procs), timeout)
 
 
 def run(

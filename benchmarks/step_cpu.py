@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from benchmarks.protocol_cost import _split, _thread_cpu
-from benchmarks.sharing import SPAWN, machine, write
+from benchmarks.sharing import SPAWN, machine, start_and_collect, write
 
 BATCH_BYTES = 1 << 20
 CASES = {"producer ahead": (0.0, 20.0), "loader behind": (30.0, 10.0)}  # (loader ms, step ms)
@@ -117,11 +117,7 @@ def run_case(case: str, consumers: int, batches: int, timeout: float = 300.0) ->
     out = SPAWN.Queue()
     procs = [SPAWN.Process(target=_consume, args=(name, step_ms / 1000, out)) for _ in range(consumers)]
     procs.append(SPAWN.Process(target=_produce, args=(name, batches, consumers, loader_ms / 1000)))
-    for p in procs:
-        p.start()
-    reports = [out.get(timeout=timeout) for _ in range(consumers)]
-    for p in procs:
-        p.join(timeout=30)
+    reports = start_and_collect(procs, out, consumers, timeout)
 
     def median(key: str) -> float:
         return round(statistics.median(r[key] for r in reports), 2)

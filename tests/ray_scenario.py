@@ -77,6 +77,7 @@ def bad_input(ray: Any, nodes: list[str]) -> dict[str, str]:
         "missing_file": lambda: tsray.producers("./nope/pipeline.py:make_loader"),
         "unknown_option": lambda: tsray.producers(f"{PIPELINE}:make_loader", sluts=3),
         "nan_start_timeout": lambda: tsray.producers(f"{PIPELINE}:make_loader", start_timeout=float("nan")),
+        "nan_cpus": lambda: tsray.producers(f"{PIPELINE}:make_loader", cpus=float("nan")),
         "raises": lambda: tsray.producers(f"{PIPELINE}:fail_to_build", "bad", nodes=nodes[:1]),
     }
     for key, make in cases.items():

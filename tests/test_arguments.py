@@ -67,6 +67,7 @@ class Serving:
         ({"device": "tpu"}, ValueError, ["device", "tpu"]),
         ({"device": "cuda:x"}, ValueError, ["device", "cuda:x"]),
         ({"device": 3.5}, ValueError, ["device"]),
+        ({"device": "cpu:1"}, ValueError, ["device", "cpu:1"]),
         ({"replay": -1}, ValueError, ["replay"]),
         ({"replay": 1.5}, ValueError, ["replay"]),
         ({"replay": "1G"}, ValueError, ["replay"]),
@@ -195,6 +196,7 @@ def test_bad_names_and_endpoints_are_refused_by_both_sides(where, words):
         ({"copy": "yes"}, ["copy"]),
         ({"copy": 1}, ["copy"]),
         ({"device": "nonsense"}, ["device", "nonsense"]),
+        ({"device": "cpu:1"}, ["device", "cpu:1"]),
         ({"label": "x" * 200}, ["label"]),
         ({"label": "\udcff"}, ["label"]),  # (a lone surrogate: msgpack cannot encode it)
         ({"timeout": True}, ["timeout"]),

@@ -7,7 +7,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,3 +27,17 @@ def test_every_way_runs_and_gets_every_batch_right(tmp_path: Path) -> None:
     assert {r["variant"] for r in runs} == {"tensorsocket", "lean", "lean+threads"}
     for r in runs:
         assert r["every_batch"] is True and r.get("wrong_batches", 0) == 0, r
+
+
+def test_a_benchmark_child_that_fails_ends_the_run_at_once_naming_it() -> None:
+    """Before, each benchmark waited out its whole timeout (300 s) for a report a crashed
+    child would never put on the queue."""
+    from benchmarks.sharing import SPAWN, start_and_collect
+
+    out = SPAWN.Queue()
+    procs = [SPAWN.Process(target=sys.exit, args=(3,))]
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"0 of 1 processes reported; pids \[\d+\] failed"):
+        start_and_collect(procs, out, 1, timeout=300)
+    assert time.monotonic() - started < 60
+    assert procs[0].exitcode == 3

@@ -83,7 +83,10 @@ def test_bad_fleets_fail_at_construction(scenario: dict[str, Any]) -> None:
     assert bad["not_a_spec"].startswith("PipelineError: PIPELINE 'no_colon_here' must be module:function")
     assert bad["missing_file"].startswith("PipelineError: pipeline file './nope/pipeline.py' does not exist")
     assert bad["unknown_option"].startswith("TypeError: unknown option(s) sluts")
-    assert bad["nan_start_timeout"].startswith("ValueError: start_timeout must be a positive number of seconds")
+    assert bad["nan_start_timeout"].startswith(
+        "ValueError: start_timeout must be a positive number of seconds"
+    )
+    assert bad["nan_cpus"].startswith("ValueError: cpus must be a finite number of CPUs >= 0, got nan")
     assert bad["raises"].startswith("ValueError: the producer on node ")
     assert "OSError: no such dataset: /nonexistent" in bad["raises"]
 

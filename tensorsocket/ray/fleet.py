@@ -264,8 +264,8 @@ def _check(epochs: Any, cpus: Any, restarts: Any, start_timeout: Any, options: M
         raise ValueError(
             f"epochs must be a positive int or None (serve until the fleet closes), got {epochs!r}"
         )
-    if not isinstance(cpus, (int, float)) or isinstance(cpus, bool) or cpus < 0:
-        raise ValueError(f"cpus must be a number of CPUs >= 0, got {cpus!r}")
+    if not is_seconds(cpus):  # (the same rule: a finite number >= 0, not a bool; NaN passed `cpus < 0`)
+        raise ValueError(f"cpus must be a finite number of CPUs >= 0, got {cpus!r}")
     if type(restarts) is not int or restarts < 0:
         raise ValueError(f"restarts must be an int >= 0, got {restarts!r}")
     if not is_seconds(start_timeout) or start_timeout <= 0:

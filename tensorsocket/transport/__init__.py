@@ -19,12 +19,13 @@ log = logging.getLogger("tensorsocket")
 
 
 def parse_device(device: Any) -> torch.device:
-    """``device`` as a torch.device of type cpu or cuda; ValueError naming it otherwise."""
+    """``device`` as a torch.device of type cpu or cuda; ValueError naming it otherwise (torch
+    takes "cpu:1" too, a slip for "cuda:1": host memory has no second device)."""
     try:
         parsed = torch.device(device)
     except (RuntimeError, TypeError):
         parsed = None
-    if parsed is None or parsed.type not in ("cpu", "cuda"):
+    if parsed is None or parsed.type not in ("cpu", "cuda") or (parsed.type == "cpu" and parsed.index):
         raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
     return parsed
 
