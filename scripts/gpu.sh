@@ -28,8 +28,11 @@
 #                 cores: 4 private GPU decode pipelines vs one shared (GPU path) of 20 s or less, + the
 #                 vs the shared CPU pipeline, 3 runs each; JSON into $OUT        references)
 #
-# compare takes what is left of the budget, so the last three steps need a call of their own:
-#   GPU_SH_STEPS="decode-tests decode-rate gpu-decode" bash scripts/gpu.sh
+# compare takes what is left of the budget, so the last three steps need a call of their own.
+# With 15 minutes of device time a session (machine start included), one call is what fits;
+# what has never run on a GPU comes first (issue 17), ~400 s:
+#   GPU_SH_STEPS="gpu-tests cuda-tests decode-tests decode-rate gpu-decode" bash scripts/gpu.sh
+# Fetch the wheels first, here: bash scripts/gpu_wheels.sh (and carry .whl).
 #
 # The whole script keeps to $GPU_SH_BUDGET seconds (default 540: the device tool allows 600 per
 # command); a step's limit is cut to what is left. $GPU_SH_STEPS (default: all of them) names
@@ -39,7 +42,7 @@
 # steps.txt (each step's exit status and seconds), gpu_path-*.json, cuda_ipc-*.json, the
 # compare benchmark's <gpu>-<date>.json and .png, and gpu_decode-<gpu>-<date>.json.
 #
-# Wheels: .whl/*.whl are installed into /tmp/site (pyzmq; see the device notes); .whl/upstream/
+# Wheels (scripts/gpu_wheels.sh): .whl/*.whl are installed into /tmp/site (pyzmq); .whl/upstream/
 # holds tensorsocket 0.0.5 and tornado, installed only into 0.0.5's own environment by compare.
 set -uo pipefail
 cd "$(dirname "$0")/.."
