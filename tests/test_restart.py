@@ -30,10 +30,11 @@ def _consume(name: str, options: dict[str, Any], out: Any, first: Any = None, ho
     """A trainer: every epoch's (id, noise) samples, in order, and what it was told. With
     ``first`` (two events), holding its first ``hold`` batches (their places stay taken) it
     sets the first and waits for the second: it was sent no more than its prefetch when the
-    producer died."""
+    producer died. Its timeout is generous: it may start before its producer, whose torch import
+    alone took over 5 s on a loaded 2-core machine (a kill is seen at once: the session closes)."""
     seen: list[list[Any]] = []
     held: list[Any] = []
-    with Consumer(name=name, **{"timeout": 5.0, "reconnect": 60.0, **options}) as consumer:
+    with Consumer(name=name, **{"timeout": 30.0, "reconnect": 60.0, **options}) as consumer:
         while not consumer.finished:
             epoch = []
             for ids, noise in consumer:
