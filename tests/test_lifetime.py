@@ -132,6 +132,7 @@ def test_copy_true_gives_private_batches_and_no_error(name):
     server = serving(producer)
     try:
         with Consumer(name=name, copy=True) as consumer:
+            assert consumer.delivery == "copy"  # (it said "views", the reader's way, before)
             seen = 0
             for i, batch in enumerate(consumer):
                 expected = expected_batch(i, 5)

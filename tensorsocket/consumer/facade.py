@@ -275,8 +275,9 @@ class Consumer:
     @property
     def delivery(self) -> str:
         """ "views" (batches are views of the producer's memory: zero copy) or "copy" (copied
-        to this consumer's device: a GPU other than the producer's, or the host)."""
-        return self._conn.reader.delivery
+        to this consumer's device: a GPU other than the producer's, or the host; or private
+        clones, ``copy=True``)."""
+        return "copy" if self.copy else self._conn.reader.delivery
 
     @property
     def finished(self) -> bool:
