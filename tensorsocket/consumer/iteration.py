@@ -236,8 +236,6 @@ class Batches:
         if kind == BATCH:
             if time.monotonic() - shared.io_tick > self.settings.timeout / 2 or not shared.synced.is_set():
                 self._catch_up_after_freeze()
-            if self.settings.group is not None:
-                self.turns.read_waiting()  # (a recv a batch, for a group member only)
             if shared.cut_off is not None:  # evicted (or its group broke) while this batch was queued
                 self.error = shared.cut_off
                 raise self.error
