@@ -170,11 +170,11 @@ def _producer(
     )
 
 
-def collect(out: Any, procs: list[Any], reporters: int, timeout: float) -> list[dict[str, Any]]:
+def collect(out: Any, procs: list[Any], reporters: int, timeout: float) -> list[Any]:
     """The first ``reporters`` reports put on ``out`` by ``procs``. Fails at once when one of
     them exits with an error before every report came (its traceback is above), else after
     ``timeout`` s with none: a benchmark whose child crashed never waits out its whole timeout."""
-    reports: list[dict[str, Any]] = []
+    reports: list[Any] = []
     deadline = time.monotonic() + timeout
     while len(reports) < reporters:
         try:

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.sharing import SPAWN, machine, write
+from benchmarks.sharing import SPAWN, collect, machine, write
 
 MODES = {"batch waits": "1", "plain waits": "0"}  # TENSORSOCKET_YIELDING
 
@@ -83,7 +83,8 @@ def run_case(mode: str, consumers: int, busy: bool, batches: int, period: float)
     try:
         for p in spinners + procs:
             p.start()
-        lags = [lag for _ in range(consumers) for lag in out.get(timeout=120 + batches * period * 2)]
+        reports = collect(out, procs, consumers, 120 + batches * period * 2)  # (a crashed child: at once)
+        lags = [lag for report in reports for lag in report]
     finally:
         stop.set()
         for p in spinners + procs:
