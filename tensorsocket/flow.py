@@ -59,7 +59,7 @@ import collections
 from collections.abc import Hashable, Iterable
 from typing import Any
 
-from .flow_groups import Forming, Group, GroupBroken, Membership, Tail, share
+from .flow_groups import UNSAID, Forming, Group, GroupBroken, Membership, Said, Tail, share, until_epoch
 from .flow_replay import Replaying
 from .flow_types import (
     Action,
@@ -75,7 +75,7 @@ from .flow_types import (
 
 __all__ = [  # the values it works with, in flow_types; group rules, in flow_groups
     "Action", "ConsumerState", "Deliver", "Entry", "EntryKind", "Flow", "GroupBroken", "LateJoin",
-    "Membership", "PlaceState", "Skipped", "Tail",
+    "Membership", "PlaceState", "Said", "Skipped", "Tail", "UNSAID",
 ]  # fmt: skip
 
 
@@ -286,21 +286,21 @@ class Flow(Replaying):
             s.cursor, s.resume_index = lead.cursor, lead.resume_index
         return self._begin([group.members[r] for r in range(group.size)])
 
-    def leave(self, cid: Hashable) -> list[Action]:
-        """A consumer left or was evicted: drop it and everything it held. Idempotent. If it
-        was a member of a started group, the group breaks: its other members are sent
-        :class:`GroupBroken` (at once, or after their share of the epoch it finished)."""
+    def leave(self, cid: Hashable, said: Said = UNSAID) -> list[Action]:
+        """A consumer left or was evicted: drop it and everything it held. Idempotent. A member
+        of a started group breaks it: the others are sent :class:`GroupBroken`, at once or after
+        their share of the epoch it finished (``said``, by its BYE: see ``until_epoch``)."""
         state = self.consumers.pop(cid, None)
         if state is None:
             return []
         for place in state.held.values():
             self._places[place].holders.discard(cid)
-        out = self._break_group(cid, state) if state.group is not None else []
+        out = self._break_group(cid, state, said) if state.group is not None else []
         self._trim()
         # (_settle sends nothing here: the leader leaving only shortens the others' distance)
         return out + self._settle()
 
-    def _break_group(self, cid: Hashable, state: ConsumerState) -> list[Action]:
+    def _break_group(self, cid: Hashable, state: ConsumerState, said: Said) -> list[Action]:
         group = state.group
         assert group is not None
         if not group.started:  # forming: just one rank fewer
@@ -308,28 +308,28 @@ class Flow(Replaying):
             return []
         if group.lost is not None or state.finished or state.broken:
             return []  # broken already, or it was sent everything
-        group.lost = (state.rank, cid)
         last = state.last_sent
-        # Sent its whole share of an epoch and nothing after: the others may finish theirs.
-        boundary = last.seq if last is not None and last.kind is EntryKind.EPOCH_END else None
+        sent = None if last is None else (last.epoch, last.kind is EntryKind.EPOCH_END)
+        group.lost, group.until = (state.rank, cid), until_epoch(said, sent)
+        after = None if group.until is None else self._epoch_starts.get(group.until + 1)
         out: list[Action] = []
         for other_cid in group.members.values():
             other = self.consumers.get(other_cid)
             if other is None or other is state or other.finished or other.broken:
                 continue
-            if boundary is not None and (other.last_sent is None or other.last_sent.seq <= boundary):
-                other.cut_after = boundary
+            if after is not None and (other.last_sent is None or other.last_sent.seq < after):
+                other.cut_after = after - 1  # not sent past that epoch's end: sent the rest of it
                 out.extend(self._deliver(other_cid, other))
             else:
-                out.extend(self._cut(other_cid, other, at_once=True))
+                out.extend(self._cut(other_cid, other))
         return out
 
-    def _cut(self, cid: Hashable, state: ConsumerState, at_once: bool = False) -> list[Action]:
+    def _cut(self, cid: Hashable, state: ConsumerState) -> list[Action]:
         """``cid``'s group broke: it is sent nothing more and no longer paces the producer."""
         group = state.group
         assert group is not None and group.lost is not None
         state.broken, state.cursor, state.catching_up, state.wants = True, None, False, None
-        return [GroupBroken(cid, group.name, group.lost[0], group.lost[1], at_once)]
+        return [GroupBroken(cid, group.name, group.lost[0], group.lost[1], group.until)]
 
     def release(self, cid: Hashable, seqs: Iterable[int]) -> list[Action]:
         """A consumer is done with these batches. Unknown or repeated seqs are ignored."""

@@ -9,7 +9,7 @@ DataLoader with :func:`share`). A group starts only when all ``size`` ranks join
 ready (began iterating, after any restore), at an epoch's first batch (late-join policies ``replay`` or ``next_epoch``), as a unit; the
 producer's window must hold a round (``size <= slots``). A member that leaves breaks it: the
 others are sent nothing more (a :class:`GroupBroken` action each) right away, or, when it left
-having been sent all of an epoch's share, once they were sent theirs.
+at an epoch's end (:func:`until_epoch`), once they were sent their share of that epoch.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ class Group:
     members: dict[int, Hashable] = field(default_factory=dict)  # rank -> consumer
     started: bool = False
     lost: tuple[int, Hashable] | None = None  # (rank, consumer) of the member whose leaving broke it
+    until: int | None = None  # once broken: the epoch its members may finish (None: none)
 
     @property
     def running(self) -> bool:
@@ -72,15 +73,45 @@ class Group:
 @dataclass(frozen=True)
 class GroupBroken:
     """Action: ``consumer``'s group lost its rank ``rank`` (consumer ``lost``): it is sent
-    nothing more (what it holds stays protected until it releases it or leaves). ``at_once``:
-    the group broke mid-epoch, so what it was sent but not yet used is of no use either; else
-    it follows the end of an epoch it was sent all of."""
+    nothing more (what it holds stays protected until it releases it or leaves). ``until``:
+    the last epoch it may still use what it was sent of (the one the lost rank finished); None:
+    the group broke mid-epoch, so nothing it was sent but not yet used is of use to DDP."""
 
     consumer: Hashable
     group: str
     rank: int
     lost: Hashable
-    at_once: bool
+    until: int | None
+
+
+class Unsaid(Enum):
+    """The type of :data:`UNSAID`."""
+
+    UNSAID = "unsaid"
+
+
+#: A member that left without saying how far its trainer read (it died, or was evicted).
+UNSAID = Unsaid.UNSAID
+#: What a leaving member's BYE said (see :func:`until_epoch`).
+Said = int | None | Unsaid
+
+
+def until_epoch(said: Said, sent: tuple[int, bool] | None) -> int | None:
+    """The epoch a leaving member's group may still finish (its other ranks are sent the rest
+    of their share of it, then nothing), or None: it left mid-epoch, and they stop at once.
+
+    ``said``: what its BYE said, the epoch whose end its trainer took, with nothing taken
+    since (None: it was mid-epoch). A rank may leave at an epoch's end after the producer sent
+    it batches of the next: what it was sent says nothing of what it used, so the BYE does.
+    Believed when it names an epoch no later than the last whose end it may have been sent
+    (``sent``: the epoch of the last entry it was sent, and whether that was an epoch's end;
+    None: nothing). :data:`UNSAID`: judged by what it was sent, an epoch's end and nothing after."""
+    if sent is None:
+        return None
+    epoch, at_end = sent
+    if said is UNSAID:
+        return epoch if at_end else None
+    return said if said is not None and said <= (epoch if at_end else epoch - 1) else None
 
 
 def share(rank: int, size: int, tail: Tail, index: int, total: int | None, published: int) -> bool | None:

@@ -21,7 +21,7 @@ import msgpack
 from .errors import ProtocolError
 from .options import STRAGGLERS
 
-VERSION = 12
+VERSION = 13
 #: Largest frame a consumer may send; the producer also sets ZMQ_MAXMSGSIZE to this.
 MAX_REQUEST_BYTES = 64 * 1024
 #: Largest frame a producer may send (a BATCH whose layout has very many leaves).
@@ -56,7 +56,8 @@ class Kind(str, Enum):
     EVICTED, ERROR, STATUS, GROUP_BROKEN. LAYOUT numbers a layout that BATCH messages then name
     by number (tensorsocket.layout_table); END carries a reason when the producer stopped on an
     error; SKIPPED says how many batches a straggler was moved past, where the gap is;
-    GROUP_BROKEN that another member of this consumer's group left (nothing more comes).
+    GROUP_BROKEN that another member of this consumer's group left (nothing more comes); BYE
+    says whether the consumer left at an epoch's end (its group's others may finish that epoch).
     SESSION (consumer, on its session connection), SWITCHED and LARGE (producer) move a
     consumer's messages to a connection of its own (tensorsocket.session)."""
 
@@ -209,12 +210,12 @@ SCHEMA: dict[Kind, dict[str, Callable[[Any], bool]]] = {
     Kind.RELEASE: {"seqs": _ints(MAX_RELEASE_SEQS)},
     Kind.HEARTBEAT: {},
     Kind.STATS: {"taken_batches": _int(), "taken_samples": _int(), "waiting": _num(0.0, 1e12)},
-    Kind.BYE: {},
+    Kind.BYE: {"epoch_done": _opt(_int())},  # the epoch whose end its trainer took, nothing taken since
     Kind.MODIFIED: {"seq": _int(), "epoch": _int(), "index": _int()},
     Kind.STATUS: {"status": _opt(lambda v: type(v) is dict)},
     Kind.EVICTED: {"reason": _str(4096)},
     Kind.ERROR: {"reason": _str(4096)},
-    Kind.GROUP_BROKEN: {"reason": _str(4096), "at_once": lambda v: type(v) is bool},
+    Kind.GROUP_BROKEN: {"reason": _str(4096), "until": _opt(_int())},  # None: mid-epoch
     Kind.READY: {"resume": _opt(_resume)},
     Kind.SESSION: {"token": _str(64)},
     Kind.SWITCHED: {},

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from tensorsocket.flow import (
+    UNSAID,
     Deliver,
     EntryKind,
     Flow,
@@ -20,6 +21,7 @@ from tensorsocket.flow import (
     Membership,
     Tail,
 )
+from tensorsocket.flow_groups import until_epoch
 from tensorsocket.flow_invariants import check_invariants
 
 BATCH, EPOCH_END, END = EntryKind.BATCH, EntryKind.EPOCH_END, EntryKind.END
@@ -144,7 +146,7 @@ def test_a_member_leaving_mid_epoch_breaks_its_group_at_once_and_spares_the_othe
     for i in range(2):
         flow.publish(flow.reserve(), i)
     out = flow.leave("a")
-    assert out == [GroupBroken("b", "job", 0, "a", at_once=True)]
+    assert out == [GroupBroken("b", "job", 0, "a", until=None)]
     assert flow.consumers["b"].broken and flow.serving() == 1
     out = flow.publish(flow.reserve(), 2)  # b holds batch 1 still, nobody sends it anything
     assert [a.consumer for a in out] == ["solo"]
@@ -165,7 +167,7 @@ def test_a_member_leaving_after_its_epoch_share_lets_the_others_finish_that_epoc
     assert flow.consumers["b"].cut_after == 3 and not flow.consumers["b"].broken
     out = flow.release("b", [1])
     assert [(a.entry.kind, a.entry.index) for a in out[:2]] == [(BATCH, 2), (EPOCH_END, 0)]
-    assert out[2:] == [GroupBroken("b", "job", 0, "a", at_once=False)] and flow.consumers["b"].broken
+    assert out[2:] == [GroupBroken("b", "job", 0, "a", until=0)] and flow.consumers["b"].broken
 
 
 def test_a_member_that_was_sent_its_share_already_is_told_after_it():
@@ -173,7 +175,81 @@ def test_a_member_that_was_sent_its_share_already_is_told_after_it():
     for i in range(3):
         flow.publish(flow.reserve(), i)
     flow.end_epoch("end")  # both were sent everything of epoch 0
-    assert flow.leave("a") == [GroupBroken("b", "job", 0, "a", at_once=False)]
+    assert flow.leave("a") == [GroupBroken("b", "job", 0, "a", until=0)]
+
+
+def _past_the_epoch_end(prefetch_b: int) -> Flow:
+    """Epoch 0 of 4 batches (a: 0 and 2, b: 1 and 3), then 2 of epoch 1: a took its share and
+    the marker and was sent batch 0 of epoch 1 too; b holds what its ``prefetch_b`` allows."""
+    flow = Flow(window=4, places=8)
+    flow.join("a", 4, member=Membership("job", 0, 2))
+    flow.join("b", prefetch_b, member=Membership("job", 1, 2))
+    for i in range(4):
+        flow.publish(flow.reserve(), i)
+    flow.release("a", [0, 2])
+    flow.end_epoch("end")  # seq 4
+    for i in range(2):
+        flow.publish(flow.reserve(), 10 + i)
+    last = flow.consumers["a"].last_sent
+    assert (last.kind, last.epoch) == (BATCH, 1)
+    return flow
+
+
+def test_a_member_whose_bye_says_it_finished_the_epoch_lets_the_others_finish_it():
+    """It was sent a batch of the next epoch (prefetched), but its trainer took the epoch's end
+    and nothing after: the others are sent the rest of their share of that epoch."""
+    flow = _past_the_epoch_end(prefetch_b=1)  # b holds batch 1; batch 3 and the marker are owed
+    assert flow.leave("a", said=0) == []
+    assert flow.consumers["b"].cut_after == 4
+    out = flow.release("b", [1])
+    sent = [(a.entry.kind, a.entry.epoch, a.entry.index) for a in out[:2]]
+    assert sent == [(BATCH, 0, 3), (EPOCH_END, 0, 0)]
+    assert out[2:] == [GroupBroken("b", "job", 0, "a", until=0)]
+
+
+def test_a_member_sent_past_that_epoch_end_is_told_to_stop_there():
+    flow = _past_the_epoch_end(prefetch_b=4)  # b was sent batch 1 of epoch 1 already
+    assert flow.consumers["b"].last_sent.epoch == 1
+    assert flow.leave("a", said=0) == [GroupBroken("b", "job", 0, "a", until=0)]
+    assert flow.consumers["b"].broken
+
+
+def test_a_member_that_died_is_judged_by_what_it_was_sent():
+    flow = _past_the_epoch_end(prefetch_b=1)  # sent a batch of epoch 1: mid-epoch, for all we know
+    assert flow.leave("a") == [GroupBroken("b", "job", 0, "a", until=None)]
+
+
+def test_a_bye_mid_epoch_stops_the_others_at_once_even_after_an_epoch_end_was_sent():
+    flow = _group_of_two()
+    for i in range(3):
+        flow.publish(flow.reserve(), i)
+    flow.end_epoch("end")  # a was sent its share and the marker, but its trainer had not taken them
+    assert flow.leave("a", said=None) == [GroupBroken("b", "job", 0, "a", until=None)]
+
+
+def test_a_bye_naming_an_epoch_it_was_not_sent_the_end_of_is_not_believed():
+    flow = _group_of_two()
+    for i in range(3):
+        flow.publish(flow.reserve(), i)
+    assert flow.leave("a", said=0) == [GroupBroken("b", "job", 0, "a", until=None)]
+
+
+@pytest.mark.parametrize(
+    ("said", "last_epoch", "last_was_end", "until"),
+    [
+        (UNSAID, 3, True, 3),  # died right after an epoch's end was sent: the others finish it
+        (UNSAID, 3, False, None),  # died with a batch of epoch 3 sent: mid-epoch
+        (None, 3, True, None),  # said mid-epoch
+        (3, 3, True, 3),
+        (2, 3, True, 2),  # took epoch 2's end and nothing since, though epoch 3 was sent to it
+        (2, 3, False, 2),
+        (3, 3, False, None),  # epoch 3's end was never sent to it
+        (4, 3, True, None),
+    ],
+)
+def test_until_epoch(said, last_epoch, last_was_end, until):
+    assert until_epoch(said, (last_epoch, last_was_end)) == until
+    assert until_epoch(said, None) is None  # sent nothing: its group never got far
 
 
 def test_a_restarted_group_joins_again_as_a_new_group():
@@ -239,8 +315,10 @@ class GroupMachine(RuleBasedStateMachine):
             assert not s.finished and (not s.broken or end), ("sent something after the end", a)
             if isinstance(a, GroupBroken):
                 assert s.group == a.group
+                # Told to stop after an epoch: it was sent that epoch's end (so its whole share)
+                assert a.until is None or ("end", a.until) in s.entries, (a, s.entries)
+                event("group broken after an epoch" if a.until is not None else "group broken mid-epoch")
                 s.broken = True
-                event("group broken")
                 continue
             assert isinstance(a, Deliver)
             e = a.entry
@@ -301,7 +379,11 @@ class GroupMachine(RuleBasedStateMachine):
     def leave(self, data: st.DataObject) -> None:
         assert self.flow is not None
         cid = data.draw(st.sampled_from(sorted(self.flow.consumers)))
-        self._handle(self.flow.leave(cid))
+        ends = [e[1] for e in self.seen[cid].entries if e[0] == "end"]
+        # What its BYE says: nothing (it died), mid-epoch, an epoch whose end it was sent, or
+        # a later one (not believed)
+        said = data.draw(st.sampled_from([UNSAID, None, self.epoch + 1, *ends[-2:]]))
+        self._handle(self.flow.leave(cid, said))
         self.seen[cid].held.clear()
 
     @precondition(lambda self: self.flow is not None and any(s.held for s in self.seen.values()))

@@ -5,6 +5,7 @@ loudly and spares everyone else."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -375,6 +377,60 @@ def test_rank_and_world_size_default_to_torchruns_environment(name, monkeypatch)
             assert (c.group, c.rank, c.world_size) == ("job", 1, 2)
             wait_until(lambda: producer.status()["groups"], 5, "the member to join")
             assert producer.status()["groups"][0]["ranks"] == [1]
+
+
+@contextlib.contextmanager
+def two_iterating_ranks(name: str, samples: int, epochs: int) -> Iterator[tuple[Any, ...]]:
+    """A producer serving ``epochs`` of ``samples`` to a group of two ranks that began
+    iterating (so it started): (producer, rank 0, rank 1, their epoch iterators). Closed after,
+    the producer with them (nobody is left to read the rest of the stream)."""
+    producer = Producer(make_loader(samples), name=name, slots=4, replay=0)
+    try:
+        with serving(producer, epochs=epochs) as (thread, errors):
+            r0 = Consumer(name=name, group="job", rank=0, world_size=2, timeout=5.0, label="r0")
+            r1 = Consumer(name=name, group="job", rank=1, world_size=2, timeout=5.0, label="r1")
+            yield producer, r0, r1, iter(r0), iter(r1)
+            r0.close()
+            r1.close()
+            producer.close()
+            thread.join(timeout=30)
+        assert not errors, errors
+    finally:
+        producer.close()
+
+
+def test_a_member_back_from_its_step_raises_group_broken_before_a_batch_sent_ahead_of_it(name):
+    """The news of a broken group came during a member's training step, after a batch of its
+    share: its next next() raises GroupBroken instead of giving that batch (before: it gave
+    it, and raised one batch late; a DDP rank would run a step its lost peer never runs)."""
+    with two_iterating_ranks(name, 64, epochs=1) as (producer, _, r1, it0, it1):
+        first = next(it0)
+        next(it1)
+        wait_until(lambda: producer.status()["published"] >= 4, 10, "batches sent ahead")
+        r1.close()  # mid-epoch: the group breaks while r0 is in its "step"
+        wait_until(lambda: producer.status()["groups"][0]["state"] == "broken", 5, "the group to break")
+        time.sleep(0.3)  # (the news is on its way to r0, behind the batches sent before it)
+        with pytest.raises(GroupBroken, match="rank 1 of group 'job' .* mid-epoch"):
+            next(it0)
+        del first
+
+
+def test_a_member_that_finished_its_epoch_and_left_lets_the_others_finish_it(name):
+    """Rank 1 reads all of epoch 0 and leaves, after the producer had already sent it batches
+    of epoch 1 (prefetched): rank 0 still gets all of its share of epoch 0, then GroupBroken
+    at epoch 1 (before, the producer judged by what it had sent: mid-epoch, so rank 0 was cut
+    short of its share, and a DDP job lost its last steps of an epoch both ranks began)."""
+    samples = 32  # 8 batches an epoch, 4 a rank
+    reference = reference_epochs(samples, 1)[0]
+    with two_iterating_ranks(name, samples, epochs=2) as (producer, r0, r1, it0, it1):
+        assert [ids.tolist() for _, ids in it1] == share_of(reference, 1, 2, "pad")
+        wait_until(lambda: producer.status()["published"] >= 10, 10, "batches of epoch 1 sent ahead")
+        r1.close()  # at the end of epoch 0, with batches of epoch 1 sent to it, unread
+        wait_until(lambda: producer.status()["groups"][0]["state"] == "broken", 5, "the group to break")
+        time.sleep(0.3)  # (the news reached r0)
+        assert [ids.tolist() for _, ids in it0] == share_of(reference, 0, 2, "pad")
+        with pytest.raises(GroupBroken, match="rank 1 of group 'job' .* after the end of epoch 0"):
+            next(iter(r0))
 
 
 def test_a_broken_groups_member_keeps_what_it_holds_past_its_timeout(name):

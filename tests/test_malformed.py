@@ -266,7 +266,7 @@ def test_hostile_traffic_is_answered_and_a_real_consumer_is_served_exactly(name)
         ):
             expect_error(joined, frame)
             expected_bad += 1
-        joined.send(protocol.encode(Kind.BYE))
+        joined.send(protocol.encode(Kind.BYE, epoch_done=None))
 
         # A frame over MAX_REQUEST_BYTES: zmq drops that connection; the producer stays up.
         big = new_socket()
@@ -643,7 +643,8 @@ def test_batches_carry_a_fingerprint_only_while_a_consumer_checks_writes(name, c
             receive(sock, {Kind.WELCOME})
             _, msg = receive(sock, {Kind.BATCH}, timeout=10)
             assert (msg["fingerprint"] is not None) is check_writes
-            sock.send(protocol.encode(Kind.BYE))  # (else the stream waits for it: 10 s a case)
+            bye = protocol.encode(Kind.BYE, epoch_done=None)
+            sock.send(bye)  # (else the stream waits for it: 10 s a case)
         finally:
             sock.close(0)
 
@@ -703,7 +704,7 @@ def test_a_straggler_that_reads_nothing_is_told_of_its_gap_once_not_once_a_batch
                 told.append((kind, msg["index"] if kind is Kind.BATCH else msg.get("count")))
                 if kind is Kind.BATCH:
                     straggler.send(protocol.encode(Kind.RELEASE, seqs=[msg["seq"]]))
-            straggler.send(protocol.encode(Kind.BYE))
+            straggler.send(protocol.encode(Kind.BYE, epoch_done=None))
             assert errors == []
             kinds = [kind for kind, _ in told]
             assert kinds[:3] == [Kind.BATCH, Kind.SKIPPED, Kind.BATCH] and kinds.count(Kind.SKIPPED) == 1, (

@@ -62,7 +62,8 @@ VALID: dict[str, Any] = {
     "taken_samples": 384,
     "waiting": 1.25,
     "group": ["job-a", 1, 4, "pad"],
-    "at_once": True,
+    "until": 4,
+    "epoch_done": 7,
     "resume": ["0123abcd", 3, 17, False],
     "stream": "0123abcd",
     "restarted": ["0123abcd", 2],
@@ -107,7 +108,8 @@ EDGES: dict[str, list[Any]] = {
     "taken_samples": [0, 2**63 - 1],
     "waiting": [0, 0.0, 1e12],
     "group": [None, ["j" * 128, 0, 1, "drop"], ["é", 1 << 16, 1 << 16, "pad"]],
-    "at_once": [False, True],
+    "until": [None, 0, 2**63 - 1],
+    "epoch_done": [None, 0, 2**63 - 1],
     "resume": [None, ["", 0, 0, False], ["s" * 64, 2**63 - 1, 2**63 - 1, True]],
     "stream": ["", "s" * 64],
     "restarted": [None, ["", 0], ["s" * 64, 2**63 - 1]],
@@ -180,7 +182,8 @@ BAD: dict[str, list[Any]] = {
         ["job", 0, 2, "pad", 1],
         {"name": "job"},
     ],
-    "at_once": [None, 0, 1, "yes"],
+    "until": [-1, 1.0, True, "3", 2**63],
+    "epoch_done": [-1, 1.0, True, "3", [1]],
     "resume": [
         "s",
         [],
@@ -306,7 +309,7 @@ def test_unknown_extra_field_is_rejected(kind: Kind, extra: str) -> None:
 
 
 def test_bytes_key_is_an_unknown_field() -> None:
-    frame = _pack({"k": "bye", b"k": "bye"})
+    frame = _pack({"k": "heartbeat", b"k": "heartbeat"})
     with pytest.raises(ProtocolError, match="unknown fields"):
         protocol.decode(frame)
 
@@ -384,13 +387,13 @@ def test_frames_larger_than_the_limit_are_rejected() -> None:
     reason = "r" * 4000
     frame = protocol.encode(Kind.ERROR, reason=reason)
     protocol.decode(frame)
-    big = _pack({"k": "bye", "pad": "x" * limit})
+    big = _pack({"k": "heartbeat", "pad": "x" * limit})
     assert len(big) > limit
     with pytest.raises(ProtocolError, match="exceeds"):
         protocol.decode(big)
     # A frame exactly at the limit gets past the size check (and fails on its extra field).
-    pad = "x" * (limit - len(_pack({"k": "bye", "pad": ""})) - 2)
-    exact = _pack({"k": "bye", "pad": pad})
+    pad = "x" * (limit - len(_pack({"k": "heartbeat", "pad": ""})) - 2)
+    exact = _pack({"k": "heartbeat", "pad": pad})
     assert len(exact) == limit
     with pytest.raises(ProtocolError, match="unknown fields"):
         protocol.decode(exact)

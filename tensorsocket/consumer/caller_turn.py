@@ -29,9 +29,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .. import protocol, yielding
+from .. import yielding
 from ..errors import Closed, ProducerLost
-from ..protocol import Kind
 from .inbox import Inbox
 from .shared import TICK, Shared
 
@@ -127,6 +126,29 @@ class CallerTurns:
         del held[0]  # (no call: nothing can be raised between taking it and returning it)
         return item
 
+    def read_waiting(self) -> None:
+        """Read what the producer sent after the batch about to be yielded (a group member's):
+        a GroupBroken that came during the training step is then raised now, before that
+        batch, which was read ahead or sent before it; else it came one batch late, and a DDP
+        rank ran a step its lost peer never began."""
+        shared, inbox = self.shared, self.inbox
+        if not _lock(shared.link_lock):
+            return  # the I/O thread is busy for a while: it reads them
+        try:
+            while inbox.caller_may_read():
+                try:
+                    frame = inbox.link.recv()
+                    if frame is None:
+                        return
+                    if not inbox.handle(frame):
+                        inbox.over = True
+                        return
+                except BaseException as exc:
+                    self._failed(exc)
+                    return
+        finally:
+            shared.link_lock.release()
+
     def turn(self) -> bool | None:
         """Wait at most about TICK for the producer's next message, reading it in this thread.
         None: this thread may not read now (the I/O thread reads; wait on the queue instead).
@@ -202,7 +224,7 @@ class CallerTurns:
         self.shared.fail(ProducerLost(why))
         # Leave at once: the producer takes back the places we held (link_lock is ours; a
         # link's send never raises, a gone producer's message is dropped).
-        self.inbox.link.send(protocol.encode(Kind.BYE))
+        self.inbox.link.send(self.shared.bye())
         if not isinstance(exc, Exception):
             raise exc
         log.error("%s", why, exc_info=exc)

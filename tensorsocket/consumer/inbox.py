@@ -142,7 +142,7 @@ class Inbox:
             # it may now free its arenas.
             shared.stream_over = True
             shared.queue.put((END, (msg["reason"], msg["epoch"])))
-            self._send(protocol.encode(Kind.BYE))
+            self._send(shared.bye())
         elif kind is Kind.EVICTED and shared.stream_over:
             # We said BYE at END, so a later RELEASE or MODIFIED draws this; after END
             # no place is reused, so the queued batches stay valid.
@@ -150,6 +150,7 @@ class Inbox:
         elif kind is Kind.EVICTED:
             # Mid-stream (after END the branch above applies): our queued batches'
             # places get reused, so never yield them.
+            shared.cut_until = -1
             shared.cut_off = Evicted(
                 f"the producer at {self.endpoint} evicted this consumer: {msg['reason']}"
             )
@@ -161,8 +162,10 @@ class Inbox:
             # places reused under the batches it still holds) and releasing.
             broken = GroupBroken(f"the producer at {self.endpoint} reports: {msg['reason']}")
             log.error("%s", broken)
-            if msg["at_once"]:  # mid-epoch: the batches still queued are no use to DDP
-                shared.cut_off = broken
+            # Queued batches of a later epoch than the one the lost rank finished (all of them
+            # if it left mid-epoch) are of no use to DDP: raised instead of yielded.
+            shared.cut_until = -1 if msg["until"] is None else msg["until"]
+            shared.cut_off = broken
             shared.queue.put((ERROR, broken))
         elif kind is Kind.ERROR:
             log.error("the producer at %s reports: %s", self.endpoint, msg["reason"])

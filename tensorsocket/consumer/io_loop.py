@@ -45,7 +45,7 @@ def run(shared: Shared, settings: Settings, outcome: queue.SimpleQueue[Any]) -> 
         reader = handshake.open_reader_for(welcome, settings)
         recipes = Recipes(welcome["layouts"])
     except BaseException as exc:
-        _send_quietly(socket, protocol.encode(Kind.BYE))  # a WELCOME on its way registered us: leave
+        _send_quietly(socket, shared.bye())  # a WELCOME on its way registered us: leave
         socket.close(linger=100)
         outcome.put(exc)
         return
@@ -64,7 +64,7 @@ def run(shared: Shared, settings: Settings, outcome: queue.SimpleQueue[Any]) -> 
             # message): a producer still serving takes back the places we held at once, not
             # after our `timeout` of silence, pacing everyone meanwhile. (Said twice, or to a
             # producer that is gone or evicted us, it changes nothing; a send never raises.)
-            io.link.send(protocol.encode(Kind.BYE))
+            io.link.send(shared.bye())
             io.link.close(linger_ms=100)
         io.unwatch_producer()
 
@@ -268,7 +268,7 @@ class ConsumerIo(Inbox):
             # A STATUS asked after a freeze is never answered now, and no place under the
             # batches queued is written again (an eviction would have come first, and was
             # read): they may be taken while we wait for a successor, rather than next()
-            # raising ProducerLost after `timeout` (Batches._catch_up_after_freeze).
+            # raising ProducerLost after `timeout` (wait_checks.catch_up_after_freeze).
             self.shared.synced.set()
         log.warning("%s; waiting up to %g s for a producer to continue the stream", why, wait)
         socket, monitor = handshake.connect(self.settings)
@@ -286,17 +286,17 @@ class ConsumerIo(Inbox):
         if welcome["pid"] == self.producer_pid and self.producer_local:
             # Silent, not dead: our old connection is still registered there, and once it is
             # evicted the places under what we hold and have queued may be reused.
-            self.link.send(protocol.encode(Kind.BYE))
+            self.link.send(self.shared.bye())
             self.shared.fail(ProducerLost(f"{why}; it is still running, so this consumer cannot rejoin it"))
             return False
         if not self._same_stream(welcome):
-            self.link.send(protocol.encode(Kind.BYE))
+            self.link.send(self.shared.bye())
             return False
         try:
             reader = handshake.open_reader_for(welcome, self.settings)
             recipes = Recipes(welcome["layouts"])
         except Exception as exc:
-            self.link.send(protocol.encode(Kind.BYE))
+            self.link.send(self.shared.bye())
             self.shared.fail(ProducerLost(f"{why}; its successor's memory or layouts cannot be read: {exc}"))
             return False
         old, self.reader = self.reader, None  # type: ignore[assignment]

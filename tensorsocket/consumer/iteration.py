@@ -98,7 +98,13 @@ class Batches:
         if self.inside is not None and self.inside != me:  # (two at once: batches split, or poll() fails)
             raise _in_another_thread(self.settings.label)
         self.thread = self.inside = me  # (siblings: the thread that iterates, once it does)
-        batch = self._waited(self.next_batch if self.rebatcher is None else self._next_rebatched)
+        try:
+            batch = self._waited(self.next_batch if self.rebatcher is None else self._next_rebatched)
+        except StopIteration:
+            if not self.ended and self.epoch is not None:  # (an epoch's end: its BYE says so)
+                shared.epoch_done = self.epoch - 1
+            raise
+        shared.epoch_done = None
         shared.taken_batches += 1
         shared.taken_samples += self.samples or 0
         return batch
@@ -231,14 +237,17 @@ class Batches:
                 if again:
                     self.repeated = (self.repeated or 0) + again
             kind, payload = self.turns.take(self._check_waiting)
+        if kind == BATCH:
+            if time.monotonic() - shared.io_tick > self.settings.timeout / 2 or not shared.synced.is_set():
+                wait_checks.catch_up_after_freeze(self)
+            if self.settings.group is not None:
+                self.turns.read_waiting()  # (a recv a batch, for a group member only)
+            if shared.cut_off is not None and payload[1] > shared.cut_until:
+                self.error = shared.cut_off  # evicted, or its group broke, while this batch was queued
+                raise self.error
         if kind in (BATCH, EPOCH_END):
             self._note_position(kind, *((payload[1], payload[2]) if kind == BATCH else (payload, 0)))
         if kind == BATCH:
-            if time.monotonic() - shared.io_tick > self.settings.timeout / 2 or not shared.synced.is_set():
-                self._catch_up_after_freeze()
-            if shared.cut_off is not None:  # evicted (or its group broke) while this batch was queued
-                self.error = shared.cut_off
-                raise self.error
             self.mid_epoch = True
             batch, epoch, index, seq, token, release, self.samples, reader = payload
             self.taken_seq = seq
@@ -292,31 +301,6 @@ class Batches:
             )
         self.skipped += count
         self.skipped_epoch += count
-
-    def _catch_up_after_freeze(self) -> None:
-        """After this process was frozen (SIGSTOP, a debugger) for longer than the producer
-        waits, it was evicted and its queued batches' places may hold other data by now, but
-        the EVICTED message may not be read yet. The I/O thread notices the freeze at its next
-        turn (a gap over ``timeout / 2``; eviction needs more than ``timeout``) and asks the
-        producer something; its answer comes after EVICTED. So: if the I/O thread has not
-        turned since the freeze, wait for it to; then wait for the answer. (next_batch calls
-        it only when one of the two may be so.)"""
-        shared, timeout = self.shared, self.settings.timeout
-        seen = shared.io_tick
-        if time.monotonic() - seen > timeout / 2:
-            deadline = time.monotonic() + 1.0
-            while shared.io_tick == seen and self.io.is_alive() and time.monotonic() < deadline:
-                time.sleep(0.002)
-        if shared.synced.is_set():
-            return
-        deadline = time.monotonic() + timeout
-        while not shared.synced.wait(0.01):
-            if not self.io.is_alive():
-                return  # it stopped: next_batch raises the error it left
-            if time.monotonic() > deadline:
-                raise ProducerLost(
-                    f"the producer at {self.settings.endpoint} did not answer after this process was frozen"
-                )
 
     def _check_waiting(self) -> None:
         """Each TICK of a wait in next(): raise rather than wait for a batch that cannot come."""

@@ -12,7 +12,7 @@ one writer (or a thread-safe container), as listed here.
 * ``interrupted`` (deque): a batch's finalizer appends when Ctrl-C landed in it (Python only
   prints an exception raised there); the caller's next ``next()`` pops it and raises
   KeyboardInterrupt before it takes anything.
-* ``cut_off``, ``stream_over``, ``missed``: whichever thread handles the producer's messages,
+* ``cut_off``, ``cut_until``, ``stream_over``, ``missed``: whichever thread handles the producer's messages,
   under ``link_lock`` (the I/O thread, or the caller's thread reading for itself); ``io_tick``:
   the I/O thread only. The caller's thread reads them.
 * ``synced`` (Event): the I/O thread clears it after a freeze and sets it at the answer.
@@ -21,7 +21,8 @@ one writer (or a thread-safe container), as listed here.
 * ``ready``: a group member's READY to send (its restored position or None, in a list), set
   once by the caller's thread when it begins iterating; the I/O thread sends it once.
 * ``taken_batches``, ``taken_samples``, ``waiting``, ``wait_started``: the caller's thread
-  only; the I/O thread reads them for its STATS reports.
+  only; the I/O thread reads them for its STATS reports. ``epoch_done``: the caller's thread;
+  every BYE says it (:meth:`Shared.bye`).
 * ``stop`` (Event): close() sets it; ``wakeup``: any thread pokes it.
 * ``link_lock``: held by whichever thread uses the link and the state the producer's messages
   change (:class:`~tensorsocket.consumer.inbox.Inbox`): the I/O thread for each turn, the
@@ -40,7 +41,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import protocol
 from ..errors import BatchModified
+from ..protocol import Kind
 from ..wakeup import Wakeup
 
 TICK = 0.05  # seconds: the longest any wait goes without re-checking why it waits
@@ -102,14 +105,17 @@ class Shared:
     wakeup: Wakeup = field(default_factory=Wakeup)
     stop: threading.Event = field(default_factory=threading.Event)
     synced: threading.Event = field(default_factory=threading.Event)
-    # Evicted, or a GroupBroken mid-epoch: raised instead of yielding any batch still queued
+    # Evicted, or a GroupBroken: raised instead of yielding any batch still queued of an epoch
+    # after ``cut_until`` (a GroupBroken's: the epoch its lost rank finished; else -1, none)
     cut_off: Exception | None = None
+    cut_until: int = -1
     stream_over: bool = False  # END or an error arrived: the producer may now go away
     io_tick: float = field(default_factory=time.monotonic)  # when the I/O thread's poll last returned
     taken_batches: int = 0
     taken_samples: int = 0
     waiting: float = 0.0
     wait_started: float | None = None  # inside next() since then: a wait in progress counts
+    epoch_done: int | None = None  # the epoch whose end the trainer took, nothing taken since
     ready: list[Any] | None = None
     starts_with: int | None = None
     join_deadline: float | None = None  # the handshake's, once a preparing successor's heartbeats moved it
@@ -133,6 +139,11 @@ class Shared:
             first, more = (message, more) if first is None else (first, more + 1)
         if first is not None:
             raise BatchModified(first if not more else f"{first} ({more} more changed since: see the log)")
+
+    def bye(self) -> bytes:
+        """The BYE that leaves the producer, saying whether the trainer stopped at an epoch's
+        end: if it did, the other ranks of its group may still finish that epoch."""
+        return protocol.encode(Kind.BYE, epoch_done=self.epoch_done)
 
     def fail(self, exc: Exception) -> None:
         """The I/O thread ends this consumer's stream with ``exc`` (raised by next())."""

@@ -1,7 +1,8 @@
 """What a consumer's wait in ``next()`` checks at each tick besides its siblings
 (:mod:`.siblings`): that it is not waiting for a batch it can never get (it holds all it may:
-Hoarding), and, once, why a first batch is slow to come when others are waited for. Each
-takes the consumer's :class:`~.iteration.Batches` (typed ``Any``: no import cycle)."""
+Hoarding), and, once, why a first batch is slow to come when others are waited for; and,
+before a batch is yielded after this process was frozen, that it was not evicted meanwhile.
+Each takes the consumer's :class:`~.iteration.Batches` (typed ``Any``: no import cycle)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import logging
 import time
 from typing import Any
 
-from ..errors import Hoarding
+from ..errors import Hoarding, ProducerLost
 
 log = logging.getLogger("tensorsocket")
 
@@ -64,3 +65,29 @@ def warn_slow_start(batches: Any) -> None:
             "lists those joined",
             settings.label, settings.timeout, settings.endpoint, starts_with, settings.endpoint,
         )  # fmt: skip
+
+
+def catch_up_after_freeze(batches: Any) -> None:
+    """After this process was frozen (SIGSTOP, a debugger) for longer than the producer
+    waits, it was evicted and its queued batches' places may hold other data by now, but
+    the EVICTED message may not be read yet. The I/O thread notices the freeze at its next
+    turn (a gap over ``timeout / 2``; eviction needs more than ``timeout``) and asks the
+    producer something; its answer comes after EVICTED. So: if the I/O thread has not
+    turned since the freeze, wait for it to; then wait for the answer. (next_batch calls
+    it only when one of the two may be so.)"""
+    shared, timeout = batches.shared, batches.settings.timeout
+    seen = shared.io_tick
+    if time.monotonic() - seen > timeout / 2:
+        deadline = time.monotonic() + 1.0
+        while shared.io_tick == seen and batches.io.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.002)
+    if shared.synced.is_set():
+        return
+    deadline = time.monotonic() + timeout
+    while not shared.synced.wait(0.01):
+        if not batches.io.is_alive():
+            return  # it stopped: next_batch raises the error it left
+        if time.monotonic() > deadline:
+            raise ProducerLost(
+                f"the producer at {batches.settings.endpoint} did not answer after this process was frozen"
+            )

@@ -20,7 +20,7 @@ import zmq
 
 from .. import protocol
 from ..errors import ProtocolError
-from ..flow import LateJoin, Membership, Tail
+from ..flow import UNSAID, LateJoin, Membership, Said, Tail
 from ..host import boot_id, pid_alive, pid_namespace, same_host
 from ..protocol import Kind
 from . import successor
@@ -231,7 +231,7 @@ class IoLoop:
                     shared.flow.ready(cid, *position(self.shared.config.stream, msg["resume"]))
                 )
         elif kind is Kind.BYE:
-            self.drop(cid, "left")
+            self.drop(cid, "left", said=msg["epoch_done"])
         elif kind is Kind.MODIFIED:
             if msg["seq"] not in shared.flow.consumers[cid].held:  # (sent before that batch's RELEASE)
                 raise ProtocolError(f"MODIFIED names batch {msg['seq']}, which this consumer does not hold")
@@ -300,8 +300,9 @@ class IoLoop:
         came = "rejoined" if rejoined else "joined"
         log.info("%s %s (%d connected); it %s", peer.describe(), came, len(shared.peers), where)
 
-    def drop(self, cid: Hashable, why: str, evicted: str | None = None) -> None:
-        """Forget ``cid`` (lock held; any thread); ``evicted``: tell it so, and why, first."""
+    def drop(self, cid: Hashable, why: str, evicted: str | None = None, said: Said = UNSAID) -> None:
+        """Forget ``cid`` (lock held; any thread); ``evicted``: tell it so, and why, first;
+        ``said``: how far it read, if its BYE said (:meth:`Flow.leave`)."""
         shared = self.shared
         if evicted is not None:
             shared.post(cid, protocol.encode(Kind.EVICTED, reason=evicted))
@@ -311,7 +312,7 @@ class IoLoop:
             shared.departed[cid] = f"{peer.describe()} {why}"  # named in its group's GROUP_BROKEN
             if len(shared.departed) > 256:  # the last few are enough
                 shared.departed.popitem(last=False)
-        shared.send_all(shared.flow.leave(cid))
+        shared.send_all(shared.flow.leave(cid, said))
         self.sessions.forget(cid)
         if peer is not None:
             log.info("%s %s (%d connected)", peer.describe(), why, len(shared.peers))

@@ -243,13 +243,13 @@ class Shared:
 
     def _group_broken(self, action: GroupBroken) -> bytes:
         who = self.departed.get(action.lost, "left")
-        when = "mid-epoch" if action.at_once else "after the end of an epoch"
+        when = "mid-epoch" if action.until is None else f"after the end of epoch {action.until}"
         reason = (
             f"rank {action.rank} of group {action.group!r} ({who}) {when}: the group's ranks can no "
             "longer get equal shares, so this one is sent nothing more. Restart the job as a whole "
             "(torchrun's elastic restart does) to join again as a new group"
         )
-        return protocol.encode(Kind.GROUP_BROKEN, reason=reason, at_once=action.at_once)
+        return protocol.encode(Kind.GROUP_BROKEN, reason=reason, until=action.until)
 
     def broadcast(self, frame: bytes, transport: str | None = None) -> None:
         """Queue ``frame`` for every joined consumer, or those reading through ``transport``
