@@ -59,7 +59,20 @@ import collections
 from collections.abc import Hashable, Iterable
 from typing import Any
 
-from .flow_groups import UNSAID, Forming, Group, GroupBroken, Membership, Said, Tail, share, until_epoch
+from .flow_groups import (
+    UNSAID,
+    Forming,
+    Group,
+    GroupBroken,
+    Membership,
+    Said,
+    Tail,
+    nearer,
+    past_end_of,
+    sent_before,
+    share,
+    until_epoch,
+)
 from .flow_replay import Replaying
 from .flow_types import (
     Action,
@@ -287,9 +300,8 @@ class Flow(Replaying):
         return self._begin([group.members[r] for r in range(group.size)])
 
     def leave(self, cid: Hashable, said: Said = UNSAID) -> list[Action]:
-        """A consumer left or was evicted: drop it and everything it held. Idempotent. A member
-        of a started group breaks it: the others are sent :class:`GroupBroken`, at once or after
-        their share of the epoch it finished (``said``, by its BYE: see ``until_epoch``)."""
+        """A consumer left or was evicted: drop it and all it held. Idempotent. A member breaks its
+        group: the others are sent :class:`GroupBroken` (when: ``said``, by its BYE; until_epoch)."""
         state = self.consumers.pop(cid, None)
         if state is None:
             return []
@@ -306,22 +318,21 @@ class Flow(Replaying):
         if not group.started:  # forming: just one rank fewer
             self._forming.forget(group, state.rank, cid)
             return []
-        if group.lost is not None or state.finished or state.broken:
-            return []  # broken already, or it was sent everything
         last = state.last_sent
-        sent = None if last is None else (last.epoch, last.kind is EntryKind.EPOCH_END)
-        group.lost, group.until = (state.rank, cid), until_epoch(said, sent)
-        after = None if group.until is None else self._epoch_starts.get(group.until + 1)
+        sent = sent_before(state.at) if last is None else (last.epoch, last.kind is EntryKind.EPOCH_END)
+        until = until_epoch(said, sent)
+        if state.finished or state.broken or (group.lost is not None and not nearer(until, group.until)):
+            return []  # it was sent everything or told, or its group broke already, to end no later
+        group.lost, group.until = (state.rank, cid), until
         out: list[Action] = []
         for other_cid in group.members.values():
             other = self.consumers.get(other_cid)
             if other is None or other is state or other.finished or other.broken:
                 continue
-            if after is not None and (other.last_sent is None or other.last_sent.seq < after):
-                other.cut_after = after - 1  # not sent past that epoch's end: sent the rest of it
-                out.extend(self._deliver(other_cid, other))
-            else:
+            if until is None or past_end_of(until, other.cursor, self._epoch_starts, self.epoch):
                 out.extend(self._cut(other_cid, other))
+            else:  # sent the rest of that epoch: _deliver cuts it after the epoch's end
+                out.extend(self._deliver(other_cid, other))
         return out
 
     def _cut(self, cid: Hashable, state: ConsumerState) -> list[Action]:
@@ -449,7 +460,7 @@ class Flow(Replaying):
         self._clamp_cursors(end_seq)
         for state in self.consumers.values():
             if state.cursor is None:  # a forming group will never start; a broken one's members go
-                state.cursor, state.cut_after = end_seq, None
+                state.cursor = end_seq
         out = self._append(EntryKind.END, None, payload)
         self.ended = True
         return out
@@ -485,11 +496,9 @@ class Flow(Replaying):
         # (for every consumer at every batch and release: what it reads is in locals)
         out: list[Action] = []
         state.wants = None
-        cursor, cut_after, held = state.cursor, state.cut_after, state.held
+        cursor, held = state.cursor, state.held
         log, places = self._log, self._places
         while cursor is not None and cursor < self.next_seq:
-            if cut_after is not None and cursor > cut_after:
-                break
             entry = log[cursor]
             if entry.kind is EntryKind.BATCH:
                 if state.group is not None:
@@ -512,6 +521,9 @@ class Flow(Replaying):
                 state.received += 1
             elif entry.kind is EntryKind.END:
                 state.finished = True
+            elif state.group is not None and state.group.ends_after(entry.epoch):  # (an epoch's end)
+                state.last_sent = entry  # the last it is sent: its group broke
+                return [*out, Deliver(cid, entry), *self._cut(cid, state)]
             out.append(Deliver(cid, entry))
             state.last_sent = entry
             cursor += 1
@@ -519,8 +531,6 @@ class Flow(Replaying):
         if state.unsent_skips and out:  # the gap is said right before what follows it
             out.insert(0, Skipped(cid, state.unsent_skips))
             state.unsent_skips = 0
-        if cut_after is not None and cursor is not None and cursor > cut_after:
-            out.extend(self._cut(cid, state))
         return out
 
     def _settle(self) -> list[Action]:

@@ -9,7 +9,8 @@ DataLoader with :func:`share`). A group starts only when all ``size`` ranks join
 ready (began iterating, after any restore), at an epoch's first batch (late-join policies ``replay`` or ``next_epoch``), as a unit; the
 producer's window must hold a round (``size <= slots``). A member that leaves breaks it: the
 others are sent nothing more (a :class:`GroupBroken` action each) right away, or, when it left
-at an epoch's end (:func:`until_epoch`), once they were sent their share of that epoch.
+at an epoch's end (:func:`until_epoch`), once they were sent their share of that epoch (or
+sooner, if another member leaves before that: :func:`nearer`).
 """
 
 from __future__ import annotations
@@ -63,6 +64,10 @@ class Group:
     def running(self) -> bool:
         return self.started and self.lost is None
 
+    def ends_after(self, epoch: int) -> bool:
+        """Broken, its members finishing epoch ``until``: is ``epoch``'s end the last sent to them?"""
+        return self.until is not None and epoch >= self.until
+
     def starts_when(self, ready: Callable[[Hashable], bool]) -> bool:
         """Whether it starts, given which members are ``ready``: not started yet, and every one
         of its ranks joined and ready."""
@@ -112,6 +117,32 @@ def until_epoch(said: Said, sent: tuple[int, bool] | None) -> int | None:
     if said is UNSAID:
         return epoch if at_end else None
     return said if said is not None and said <= (epoch if at_end else epoch - 1) else None
+
+
+def sent_before(at: tuple[int, int] | None) -> tuple[int, bool] | None:
+    """What a member that was sent nothing here had been sent before, for :func:`until_epoch`:
+    one restored or rejoining at ``at`` (epoch, index) had taken the epoch before's end, if
+    ``at`` is an epoch's start, else part of that epoch (None: nothing)."""
+    if at is None or at == (0, 0):
+        return None
+    return (at[0] - 1, True) if at[1] == 0 else (at[0], False)
+
+
+def nearer(until: int | None, before: int | None) -> bool:
+    """Does a second member's leaving, after which its group may finish epoch ``until``
+    (None: none), end the group sooner than the first's (``before``)? Its others still being
+    sent the rest of an epoch then stop sooner (those told already keep what they were told)."""
+    return before is not None and (until is None or until < before)
+
+
+def past_end_of(epoch: int, cursor: int | None, starts: dict[int, int], publishing: int) -> bool:
+    """Was a member at ``cursor`` sent ``epoch``'s end (an epoch's end is sent to every member),
+    or is it past it? ``starts``: the first seq of each epoch the flow still remembers;
+    ``publishing``: the epoch being published."""
+    start = starts.get(epoch + 1)
+    if start is None:  # the next epoch has not begun (nobody is past it), or is forgotten (all are)
+        return epoch < publishing
+    return cursor is None or cursor >= start
 
 
 def share(rank: int, size: int, tail: Tail, index: int, total: int | None, published: int) -> bool | None:

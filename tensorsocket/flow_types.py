@@ -99,8 +99,6 @@ class ConsumerState:
     group: Group | None = None
     rank: int = 0
     last_sent: Entry | None = None  # the last entry sent to it
-    # group members: the seq after which it is sent nothing more (its group broke), or None
-    cut_after: int | None = None
     broken: bool = False  # its group broke: sent nothing more, no cursor
     at: tuple[int, int] | None = None  # the position a restored group member asked for
     rejoined: bool = False  # ``at`` is where it rejoins a restarted producer (what it received)

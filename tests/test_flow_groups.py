@@ -21,7 +21,7 @@ from tensorsocket.flow import (
     Membership,
     Tail,
 )
-from tensorsocket.flow_groups import until_epoch
+from tensorsocket.flow_groups import nearer, past_end_of, sent_before, until_epoch
 from tensorsocket.flow_invariants import check_invariants
 
 BATCH, EPOCH_END, END = EntryKind.BATCH, EntryKind.EPOCH_END, EntryKind.END
@@ -164,7 +164,7 @@ def test_a_member_leaving_after_its_epoch_share_lets_the_others_finish_that_epoc
     flow.release("a", [2])
     assert flow.consumers["a"].last_sent.kind is EPOCH_END
     assert flow.leave("a") == []  # b is still owed its share of epoch 0: batch 2 and the marker
-    assert flow.consumers["b"].cut_after == 3 and not flow.consumers["b"].broken
+    assert flow.consumers["b"].group.until == 0 and not flow.consumers["b"].broken
     out = flow.release("b", [1])
     assert [(a.entry.kind, a.entry.index) for a in out[:2]] == [(BATCH, 2), (EPOCH_END, 0)]
     assert out[2:] == [GroupBroken("b", "job", 0, "a", until=0)] and flow.consumers["b"].broken
@@ -200,7 +200,7 @@ def test_a_member_whose_bye_says_it_finished_the_epoch_lets_the_others_finish_it
     and nothing after: the others are sent the rest of their share of that epoch."""
     flow = _past_the_epoch_end(prefetch_b=1)  # b holds batch 1; batch 3 and the marker are owed
     assert flow.leave("a", said=0) == []
-    assert flow.consumers["b"].cut_after == 4
+    assert flow.consumers["b"].group.until == 0 and not flow.consumers["b"].broken
     out = flow.release("b", [1])
     sent = [(a.entry.kind, a.entry.epoch, a.entry.index) for a in out[:2]]
     assert sent == [(BATCH, 0, 3), (EPOCH_END, 0, 0)]
@@ -232,6 +232,79 @@ def test_a_bye_naming_an_epoch_it_was_not_sent_the_end_of_is_not_believed():
     for i in range(3):
         flow.publish(flow.reserve(), i)
     assert flow.leave("a", said=0) == [GroupBroken("b", "job", 0, "a", until=None)]
+
+
+def test_a_second_member_leaving_mid_epoch_stops_the_ones_still_finishing_it():
+    """a leaves at epoch 0's end, so b and c are owed the rest of it; then b dies mid-epoch:
+    c, still owed its share, is told at once (what a could wait for, b never ran)."""
+    flow = Flow(window=6, places=6)
+    for r, c in enumerate("abc"):
+        flow.join(c, 1, member=Membership("job", r, 3))
+    for i in range(6):  # 2 a rank; each holds its first (prefetch 1)
+        flow.publish(flow.reserve(), i)
+    flow.release("a", [0])
+    flow.end_epoch("end")
+    flow.release("a", [3])
+    assert flow.leave("a", said=0) == []
+    assert flow.consumers["c"].group.until == 0 and not flow.consumers["c"].broken
+    assert flow.leave("b") == [GroupBroken("c", "job", 1, "b", until=None)]
+    assert flow.release("c", [2]) == []  # nothing more of epoch 0
+
+
+def test_a_later_leaver_that_ends_the_group_no_sooner_changes_nothing():
+    flow = Flow(window=6, places=6)
+    for r, c in enumerate("abc"):
+        flow.join(c, 1, member=Membership("job", r, 3))
+    for i in range(6):
+        flow.publish(flow.reserve(), i)
+    flow.release("a", [0])
+    flow.end_epoch("end")
+    flow.release("a", [3])
+    flow.leave("a", said=0)
+    flow.release("b", [1])  # b is sent batch 4 and the end, then told
+    assert flow.consumers["b"].broken
+    assert flow.leave("b", said=0) == []  # (told already)
+    assert flow.consumers["c"].group.until == 0 and not flow.consumers["c"].broken
+
+
+def test_a_member_rejoining_a_successor_after_an_epoch_end_is_believed_before_it_is_sent_anything():
+    """A successor continues epoch 0 at its batch 6: rank a had received all of epoch 0 and
+    its end (it rejoins at epoch 1's start), rank b rejoins at batch 6. a takes the end queued
+    from the old producer and leaves: b is still sent the rest of its share."""
+    flow = Flow(window=4, places=8)
+    flow.start_at(0, 0, 6)
+    flow.join("a", 4, member=Membership("job", 0, 2), at=(1, 0), rejoined=True)
+    flow.join("b", 4, member=Membership("job", 1, 2), at=(0, 6), rejoined=True)
+    flow.publish(flow.reserve(), 6)
+    assert flow.leave("a", said=0) == []
+    out = flow.publish(flow.reserve(), 7) + flow.end_epoch("end")
+    sent = [(a.entry.kind, a.entry.index) for a in out if isinstance(a, Deliver)]
+    assert sent == [(BATCH, 7), (EPOCH_END, 0)]
+    assert out[-1] == GroupBroken("b", "job", 0, "a", until=0)
+
+
+@pytest.mark.parametrize(
+    ("at", "sent"), [(None, None), ((0, 0), None), ((3, 0), (2, True)), ((3, 5), (3, False))]
+)
+def test_sent_before(at, sent):
+    assert sent_before(at) == sent
+
+
+@pytest.mark.parametrize(
+    ("until", "before", "sooner"),
+    [(None, 2, True), (1, 2, True), (2, 2, False), (3, 2, False), (None, None, False), (1, None, False)],
+)
+def test_nearer(until, before, sooner):
+    assert nearer(until, before) is sooner
+
+
+@pytest.mark.parametrize(
+    ("epoch", "cursor", "sent_its_end"),
+    [(2, 9, False), (2, 10, True), (2, None, True), (3, 15, False), (1, 10, True), (0, 10, True)],
+)
+def test_past_end_of(epoch, cursor, sent_its_end):
+    starts = {2: 4, 3: 10}  # epoch 2's end is seq 9; epoch 3 is being published; 0 and 1 are forgotten
+    assert past_end_of(epoch, cursor, starts, publishing=3) is sent_its_end
 
 
 @pytest.mark.parametrize(

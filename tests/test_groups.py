@@ -380,15 +380,19 @@ def test_rank_and_world_size_default_to_torchruns_environment(name, monkeypatch)
 
 
 @contextlib.contextmanager
-def two_iterating_ranks(name: str, samples: int, epochs: int) -> Iterator[tuple[Any, ...]]:
-    """A producer serving ``epochs`` of ``samples`` to a group of two ranks that began
-    iterating (so it started): (producer, rank 0, rank 1, their epoch iterators). Closed after,
-    the producer with them (nobody is left to read the rest of the stream)."""
-    producer = Producer(make_loader(samples), name=name, slots=4, replay=0)
+def two_iterating_ranks(
+    name: str, samples: int | Any, epochs: int, tail: str = "pad"
+) -> Iterator[tuple[Any, ...]]:
+    """A producer serving ``epochs`` of ``samples`` (or of that loader) to a group of two ranks
+    that began iterating (so it started): (producer, rank 0, rank 1, their epoch iterators).
+    Closed after, the producer with them (nobody is left to read the rest of the stream)."""
+    loader = make_loader(samples) if isinstance(samples, int) else samples
+    producer = Producer(loader, name=name, slots=4, replay=0)
     try:
         with serving(producer, epochs=epochs) as (thread, errors):
-            r0 = Consumer(name=name, group="job", rank=0, world_size=2, timeout=5.0, label="r0")
-            r1 = Consumer(name=name, group="job", rank=1, world_size=2, timeout=5.0, label="r1")
+            kwargs: dict[str, Any] = dict(name=name, group="job", world_size=2, group_tail=tail, timeout=5.0)
+            r0 = Consumer(rank=0, label="r0", **kwargs)
+            r1 = Consumer(rank=1, label="r1", **kwargs)
             yield producer, r0, r1, iter(r0), iter(r1)
             r0.close()
             r1.close()
@@ -430,6 +434,34 @@ def test_a_member_that_finished_its_epoch_and_left_lets_the_others_finish_it(nam
         time.sleep(0.3)  # (the news reached r0)
         assert [ids.tolist() for _, ids in it0] == share_of(reference, 0, 2, "pad")
         with pytest.raises(GroupBroken, match="rank 1 of group 'job' .* after the end of epoch 0"):
+            next(iter(r0))
+
+
+class EpochsOf:
+    """A loader whose epochs have these numbers of batches (the producer calls set_epoch)."""
+
+    def __init__(self, *lengths: int) -> None:
+        self.lengths, self.epoch = lengths, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter([torch.full((BATCH,), float(i)) for i in range(self.lengths[self.epoch])])
+
+
+def test_a_member_told_to_stop_after_an_epoch_raises_before_an_empty_epoch_after_it(name):
+    """tail='drop' and an epoch of 1 batch: neither rank gets any of it. Rank 1 leaves at the
+    end of epoch 0, after that empty epoch 1 was sent (its end only): rank 0 raises at epoch
+    1's first next(), not after an empty epoch its lost peer never ran."""
+    with two_iterating_ranks(name, EpochsOf(2, 1, 40), epochs=3, tail="drop") as (producer, r0, r1, it0, it1):
+        assert len(list(it1)) == 1
+        wait_until(lambda: producer.status()["epoch"] >= 2, 10, "epoch 1 to end")
+        r1.close()  # at the end of epoch 0 (its loop took nothing since)
+        wait_until(lambda: producer.status()["groups"][0]["state"] == "broken", 5, "the group to break")
+        time.sleep(0.3)  # (the news reached r0)
+        assert len(list(it0)) == 1
+        with pytest.raises(GroupBroken, match="after the end of epoch 0"):
             next(iter(r0))
 
 

@@ -132,8 +132,10 @@ class CallerTurns:
         batch, which was read ahead or sent before it; else it came one batch late, and a DDP
         rank ran a step its lost peer never began."""
         shared, inbox = self.shared, self.inbox
-        if not _lock(shared.link_lock):
-            return  # the I/O thread is busy for a while: it reads them
+        if not inbox.caller_may_read():
+            return  # (read unlocked: it may change, and is asked again) the I/O thread reads them
+        if not _lock(shared.link_lock, 0):
+            return  # the I/O thread is reading them (building a batch, say: a copy takes ms)
         try:
             while inbox.caller_may_read():
                 try:
@@ -231,14 +233,14 @@ class CallerTurns:
         return False
 
 
-def _lock(lock: threading.RLock) -> bool:
-    """``lock.acquire(timeout=TICK)``, never left held by an interrupt. Ctrl-C lands in this
+def _lock(lock: threading.RLock, timeout: float = TICK) -> bool:
+    """``lock.acquire(timeout=timeout)``, never left held by an interrupt. Ctrl-C lands in this
     thread, and Python raises it as a call returns: right after acquire() took the lock, before
     the caller's ``try`` began, it left the lock held for ever (the I/O thread then waited for it,
     so the producer evicted us, and next() waited past every timeout). Hence an RLock: it knows
     whether this thread holds it."""
     try:
-        return lock.acquire(timeout=TICK)
+        return lock.acquire(timeout=timeout)
     except BaseException:
         if lock._is_owned():  # type: ignore[attr-defined]
             lock.release()

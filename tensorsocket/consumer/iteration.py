@@ -240,10 +240,11 @@ class Batches:
         if kind == BATCH:
             if time.monotonic() - shared.io_tick > self.settings.timeout / 2 or not shared.synced.is_set():
                 wait_checks.catch_up_after_freeze(self)
-            if self.settings.group is not None:
+            if self.settings.group is not None and not self.settings.copy:  # (a copy costs ms: not here)
                 self.turns.read_waiting()  # (a recv a batch, for a group member only)
-            if shared.cut_off is not None and payload[1] > shared.cut_until:
-                self.error = shared.cut_off  # evicted, or its group broke, while this batch was queued
+        if shared.cut_off is not None and kind in (BATCH, EPOCH_END):
+            if (payload[1] if kind == BATCH else payload) > shared.cut_until:
+                self.error = shared.cut_off  # evicted, or its group broke, while this was queued
                 raise self.error
         if kind in (BATCH, EPOCH_END):
             self._note_position(kind, *((payload[1], payload[2]) if kind == BATCH else (payload, 0)))
