@@ -139,6 +139,8 @@ def past_end_of(epoch: int, cursor: int | None, starts: dict[int, int], publishi
     """Was a member at ``cursor`` sent ``epoch``'s end (an epoch's end is sent to every member),
     or is it past it? ``starts``: the first seq of each epoch the flow still remembers;
     ``publishing``: the epoch being published."""
+    if cursor is None:  # (a started member) waits for the next epoch's start: never sent this one's end
+        return epoch <= publishing
     start = starts.get(epoch + 1)
     if start is None:  # the next epoch has not begun (nobody is past it), or is forgotten (all are)
         return epoch < publishing

@@ -283,6 +283,20 @@ def test_a_member_rejoining_a_successor_after_an_epoch_end_is_believed_before_it
     assert out[-1] == GroupBroken("b", "job", 0, "a", until=0)
 
 
+def test_members_waiting_for_the_next_epoch_when_a_rank_leaves_are_sent_nothing_of_it():
+    """A successor still publishes epoch 0; the group rejoined at epoch 1's start (it had epoch
+    0's end), so it waits for epoch 1. A rank dies: the other is told at once, and sent no
+    batch of epoch 1 (before: all of epoch 1, its peer gone, then GroupBroken)."""
+    flow = Flow(window=4, places=8)
+    flow.start_at(0, 0, 6)
+    for rank, cid in enumerate("ab"):
+        flow.join(cid, 2, member=Membership("job", rank, 2), at=(1, 0), rejoined=True)
+    assert flow.leave("a") == [GroupBroken("b", "job", 0, "a", until=0)]
+    out = flow.publish(flow.reserve(), 6) + flow.publish(flow.reserve(), 7) + flow.end_epoch("end")
+    out += flow.publish(flow.reserve(), 8) + flow.publish(flow.reserve(), 9)
+    assert [a for a in out if a.consumer == "b"] == []
+
+
 @pytest.mark.parametrize(
     ("at", "sent"), [(None, None), ((0, 0), None), ((3, 0), (2, True)), ((3, 5), (3, False))]
 )
@@ -300,7 +314,15 @@ def test_nearer(until, before, sooner):
 
 @pytest.mark.parametrize(
     ("epoch", "cursor", "sent_its_end"),
-    [(2, 9, False), (2, 10, True), (2, None, True), (3, 15, False), (1, 10, True), (0, 10, True)],
+    [
+        (2, 9, False),
+        (2, 10, True),
+        (2, None, True),
+        (3, 15, False),
+        (3, None, True),
+        (1, 10, True),
+        (0, 10, True),
+    ],
 )
 def test_past_end_of(epoch, cursor, sent_its_end):
     starts = {2: 4, 3: 10}  # epoch 2's end is seq 9; epoch 3 is being published; 0 and 1 are forgotten
@@ -363,6 +385,7 @@ class Seen:
     held: set[int] = field(default_factory=set)
     broken: bool = False
     finished: bool = False
+    had_end: int | None = None  # restored at an epoch's start: it had the end of the one before
 
 
 class GroupMachine(RuleBasedStateMachine):
@@ -388,13 +411,18 @@ class GroupMachine(RuleBasedStateMachine):
             assert not s.finished and (not s.broken or end), ("sent something after the end", a)
             if isinstance(a, GroupBroken):
                 assert s.group == a.group
-                # Told to stop after an epoch: it was sent that epoch's end (so its whole share)
-                assert a.until is None or ("end", a.until) in s.entries, (a, s.entries)
+                # Told to stop after an epoch: it was sent that epoch's end (its whole share), here
+                # or before it was restored
+                had = s.had_end is not None and a.until is not None and a.until <= s.had_end
+                assert a.until is None or ("end", a.until) in s.entries or had, (a, s.entries)
                 event("group broken after an epoch" if a.until is not None else "group broken mid-epoch")
                 s.broken = True
                 continue
             assert isinstance(a, Deliver)
             e = a.entry
+            group = self.flow.consumers[a.consumer].group if a.consumer in self.flow.consumers else None
+            if group is not None and group.lost is not None and e.kind is not END:
+                assert group.until is not None and e.epoch <= group.until, ("sent past the cut", a, group)
             if e.kind is BATCH:
                 assert self.memory[e.place] == e.seq, "sent an overwritten batch"
                 assert (e.epoch, e.index) == self.where[e.seq]
@@ -455,7 +483,8 @@ class GroupMachine(RuleBasedStateMachine):
         ends = [e[1] for e in self.seen[cid].entries if e[0] == "end"]
         # What its BYE says: nothing (it died), mid-epoch, an epoch whose end it was sent, or
         # a later one (not believed)
-        said = data.draw(st.sampled_from([UNSAID, None, self.epoch + 1, *ends[-2:]]))
+        had = [] if self.seen[cid].had_end is None else [self.seen[cid].had_end]
+        said = data.draw(st.sampled_from([UNSAID, None, self.epoch + 1, *had, *ends[-2:]]))
         self._handle(self.flow.leave(cid, said))
         self.seen[cid].held.clear()
 
@@ -497,10 +526,41 @@ class GroupMachine(RuleBasedStateMachine):
             self.lengths[self.epoch] = self.index
         self._handle(self.flow.end_stream("END"))
 
+    @precondition(lambda self: self.flow is not None and not self.flow.ended)
+    @rule(
+        group=st.sampled_from(sorted(GROUPS)),
+        prefetch=st.integers(1, 4),
+        delta=st.integers(-1, 1),
+        rejoined=st.booleans(),
+    )
+    def join_restored_group(self, group: str, prefetch: int, delta: int, rejoined: bool) -> None:
+        """Every rank of a new group, restored (or rejoining a successor) at an epoch's start:
+        the one before, this one or the next."""
+        assert self.flow is not None
+        if group in self.flow._forming.groups:
+            return
+        at = (max(0, self.epoch + delta), 0)
+        self.incarnations[group] += 1
+        for rank in range(GROUPS[group]):
+            cid = f"c{self.cids}"
+            self.cids += 1
+            had = at[0] - 1 if at[0] else None
+            self.seen[cid] = Seen(group, rank, self.incarnations[group], had_end=had)
+            member = Membership(group, rank, GROUPS[group])
+            self._handle(self.flow.join(cid, prefetch, member=member, at=at, rejoined=rejoined))
+        event(f"a group restored at an epoch {delta:+d} from this one")
+
     @invariant()
     def invariants(self) -> None:
         if self.flow is not None:
             check_invariants(self.flow)
+            for cid, c in self.flow.consumers.items():  # members finishing an epoch their group may
+                g = c.group
+                if g is None or g.lost is None or c.broken or c.finished:
+                    continue
+                assert g.until is not None and c.cursor is not None, ("left uncut", cid, c, g)
+                after = self.flow._epoch_starts.get(g.until + 1)
+                assert after is None or c.cursor < after, ("a finishing member past its epoch", cid, c, g)
 
     @invariant()
     def shares_are_equal_and_exact(self) -> None:
