@@ -144,7 +144,7 @@ def past_end_of(epoch: int, cursor: int | None, starts: dict[int, int], publishi
     start = starts.get(epoch + 1)
     if start is None:  # the next epoch has not begun (nobody is past it), or is forgotten (all are)
         return epoch < publishing
-    return cursor is None or cursor >= start
+    return cursor >= start
 
 
 def share(rank: int, size: int, tail: Tail, index: int, total: int | None, published: int) -> bool | None:

@@ -137,17 +137,8 @@ class CallerTurns:
         if not _lock(shared.link_lock, 0):
             return  # the I/O thread is reading them (building a batch, say: a copy takes ms)
         try:
-            while inbox.caller_may_read():
-                try:
-                    frame = inbox.link.recv()
-                    if frame is None:
-                        return
-                    if not inbox.handle(frame):
-                        inbox.over = True
-                        return
-                except BaseException as exc:
-                    self._failed(exc)
-                    return
+            if inbox.caller_may_read() and not self._guarded(inbox.receive):
+                inbox.over = True  # (EVICTED, say: the I/O thread stops at its next turn)
         finally:
             shared.link_lock.release()
 
