@@ -46,6 +46,17 @@ PIPELINE = textwrap.dedent(
         data = torch.arange(batches * 4, dtype=torch.float32).reshape(batches, 4)
         return torch.utils.data.DataLoader(data, batch_size=1, num_workers=2)
 
+    def deaf(swallowing=1, then=0.0):  # swallows Ctrl-C while it loads, as some imports do
+        import sys, time
+        print("loading", file=sys.stderr, flush=True)
+        for _ in range(swallowing):
+            try:
+                time.sleep(60)
+            except KeyboardInterrupt:
+                pass
+        time.sleep(then)
+        return make()
+
     NOT_A_FUNCTION = 3
     """
 )
@@ -329,6 +340,39 @@ def test_sigint_while_waiting_for_consumers(pipeline: Path) -> None:
         assert rc == 0, err
         assert "Traceback" not in err
         assert shm_segments(serve.pid) == []
+    finally:
+        kill(serve)
+
+
+@pytest.mark.parametrize("signals", [1, 2])
+def test_a_ctrl_c_that_the_pipeline_swallowed_still_stops_serve(
+    pipeline: Path, tmp_path: Path, signals: int
+) -> None:
+    """A KeyboardInterrupt can be lost in the code it lands in: an extension module's
+    initialisation swallows it (numpy.random's did, in a successor's rerun: it went on to
+    serve). serve still stops: once the pipeline is made (1 signal, swallowed), or at once on
+    a second signal while the pipeline goes on loading (2). Before, the first was lost and the
+    second only logged "already stopping": serve went on forever."""
+    then = 60 if signals == 2 else 0.5
+    log = tmp_path / "serve.log"
+    with open(log, "w") as f:
+        serve = subprocess.Popen(
+            command("serve", f"{pipeline}:deaf", "--name", unique_name("cli"), "--arg", f"then={then}"),
+            cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+    try:
+        wait_until(lambda: "loading" in log.read_text(), 60, "the pipeline to start loading")
+        serve.send_signal(signal.SIGINT)
+        if signals == 2:
+            wait_until(
+                lambda: "SIGINT: ending the stream" in log.read_text(), 30, "the first SIGINT to be logged"
+            )
+            time.sleep(0.2)  # (swallowed by now: the pipeline sleeps on)
+            serve.send_signal(signal.SIGINT)
+        assert serve.wait(timeout=30) == 130, log.read_text()
+        text = log.read_text()
+        assert "interrupted before serving" in text and "Traceback" not in text, text
+        assert ("SIGINT again: the first one's stop was lost" in text) == (signals == 2), text
     finally:
         kill(serve)
 

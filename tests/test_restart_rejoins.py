@@ -300,10 +300,12 @@ def test_a_trainer_whose_hello_died_with_a_successor_rejoins_the_next_one(name, 
     assert f"'trainer' (pid {trainer.pid}) rejoined (" in log.read_text(), log.read_text()[-3000:]
 
 
-def _successor(name: str, go: Any, delay: float, slow_for: int) -> None:
-    """A ``resume=True`` producer made (torch imported, loader built) before ``go``, so that
-    it binds a moment after it: the first ``slow_for`` samples it pulls take ``delay`` each."""
+def _successor(name: str, ready: Any, go: Any, delay: float, slow_for: int) -> None:
+    """A ``resume=True`` producer made (torch imported, loader built: then ``ready``) before
+    ``go``, so that it binds a moment after it: the first ``slow_for`` samples it pulls take
+    ``delay`` each."""
     loader = restart_pipeline.seeded(delay=delay, slow_for=slow_for)
+    ready.set()
     assert go.wait(60)
     Producer(loader, name=name, resume=True, slots=4).serve(epochs=EPOCHS)
 
@@ -324,13 +326,15 @@ def test_a_trainer_waits_for_a_successor_whose_rerun_outlasts_its_reconnect(name
     raised ProducerLost 2 s after its producer died. A HELLO it held and then refuses (a
     consumer on another host) is answered with the reason, as one not held is (before, it
     ended the successor's I/O thread)."""
-    die, out, go = SPAWN.Event(), SPAWN.Queue(), SPAWN.Event()
+    die, out, ready, go = SPAWN.Event(), SPAWN.Queue(), SPAWN.Event(), SPAWN.Event()
     first, trainers = _trainers_4_batches_in(name, ("trainer",), die, out, {"reconnect": 2.0})
-    second = SPAWN.Process(target=_successor, args=(name, go, 0.25, 24))
+    second = SPAWN.Process(target=_successor, args=(name, ready, go, 0.25, 24))
     second.start()
     address = endpoint.resolve(name)
     remote = dealer(address)
     try:
+        # (its start, torch imported, can take longer than the trainer's reconnect on a busy machine)
+        assert ready.wait(60), "the successor did not start"
         die.set()
         first.join(timeout=60)
         assert first.exitcode == -signal.SIGKILL

@@ -257,19 +257,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from ..producer import Producer
 
-    stopping = threading.Event()
+    asked = threading.Event()  # a stop signal came
+    cleaning = threading.Event()  # the clean-up below runs: a signal is only logged
     serving_pid = os.getpid()
 
     def on_signal(signum: int, frame: Any) -> None:
         if os.getpid() != serving_pid:  # a loader worker forked with this handler: as if we had none
             signal.default_int_handler(signum, frame)  # (torch's workers set SIGTERM's themselves)
-        if stopping.is_set():
+        # The stop is under way where its KeyboardInterrupt is being handled (the producer's
+        # close, the ends below): it must run whole. Else a signal after the first means that
+        # the first's was swallowed by the code it landed in (an extension module's import):
+        # raised again, not ignored, or serve would never stop.
+        if cleaning.is_set() or isinstance(sys.exc_info()[1], KeyboardInterrupt):
             log.warning("already stopping; waiting up to %g s for consumers to take the end", args.linger)
             return
-        stopping.set()
         if signum == signal.SIGHUP and sys.stderr.isatty():  # its terminal is gone: writes fail
             detach_output()
-        log.info("%s: ending the stream", signal.Signals(signum).name)
+        name = signal.Signals(signum).name
+        if asked.is_set():
+            log.warning(
+                "%s again: the first one's stop was lost in the code it interrupted; ending the stream", name
+            )
+        else:
+            log.info("%s: ending the stream", name)
+        asked.set()
         # The loader's workers got the signal too when it went to the process group (Ctrl-C,
         # `systemctl stop`, `timeout`): their deaths are expected now, and torch's SIGCHLD
         # handler would raise for them in the middle of the clean end.
@@ -297,6 +308,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         endpoints.unlock(endpoint, held)
         loader = call_pipeline(function, args.pipeline, dict(args.args))
         check_gpu(args.device)
+        if asked.is_set():  # its KeyboardInterrupt was swallowed in the pipeline (an import)
+            raise KeyboardInterrupt
         try:
             producer = Producer(loader, endpoint=endpoint, **options)
         except StateFileError as exc:  # (--resume: not the pipeline's fault)
@@ -339,7 +352,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log.info("stopped")
         return EXIT_OK
     finally:
-        stopping.set()  # from here a signal is only logged: the cleanup below must run whole
+        cleaning.set()
         done.set()
         if progress is not None:
             # Joined: a thread still running at interpreter exit that drops the last reference

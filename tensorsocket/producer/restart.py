@@ -49,6 +49,11 @@ from typing import Any
 
 import msgpack
 import numpy as np
+
+# Now, not when a resume first uses np.random (numpy loads it lazily): a Ctrl-C landing in its
+# extension modules' initialisation is swallowed there, and a successor stopped that way went
+# on to serve (1 in 8 SIGINTs sent as its rerun began).
+import numpy.random  # noqa: F401
 import torch
 
 from .. import fingerprints, layout
