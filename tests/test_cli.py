@@ -46,16 +46,32 @@ PIPELINE = textwrap.dedent(
         data = torch.arange(batches * 4, dtype=torch.float32).reshape(batches, 4)
         return torch.utils.data.DataLoader(data, batch_size=1, num_workers=2)
 
-    def deaf(swallowing=1, then=0.0):  # swallows Ctrl-C while it loads, as some imports do
+    def deaf(then=0.0):  # swallows Ctrl-C while it loads, as some imports do
         import sys, time
         print("loading", file=sys.stderr, flush=True)
-        for _ in range(swallowing):
-            try:
-                time.sleep(60)
-            except KeyboardInterrupt:
-                pass
+        try:
+            time.sleep(60)
+        except KeyboardInterrupt:
+            print("swallowed", file=sys.stderr, flush=True)
         time.sleep(then)
         return make()
+
+    class DeafLen(list):  # its first len() (the producer's) swallows Ctrl-C, as a loader's import can
+        heard = False
+
+        def __len__(self):
+            import sys, time
+            if not DeafLen.heard:
+                DeafLen.heard = True
+                print("loading", file=sys.stderr, flush=True)
+                try:
+                    time.sleep(60)
+                except KeyboardInterrupt:
+                    print("swallowed", file=sys.stderr, flush=True)
+            return super().__len__()
+
+    def deaf_len():
+        return DeafLen(make())
 
     NOT_A_FUNCTION = 3
     """
@@ -344,35 +360,38 @@ def test_sigint_while_waiting_for_consumers(pipeline: Path) -> None:
         kill(serve)
 
 
-@pytest.mark.parametrize("signals", [1, 2])
+@pytest.mark.parametrize(("where", "signals"), [("pipeline", 1), ("pipeline", 2), ("producer", 1)])
 def test_a_ctrl_c_that_the_pipeline_swallowed_still_stops_serve(
-    pipeline: Path, tmp_path: Path, signals: int
+    pipeline: Path, tmp_path: Path, where: str, signals: int
 ) -> None:
     """A KeyboardInterrupt can be lost in the code it lands in: an extension module's
     initialisation swallows it (numpy.random's did, in a successor's rerun: it went on to
-    serve). serve still stops: once the pipeline is made (1 signal, swallowed), or at once on
-    a second signal while the pipeline goes on loading (2). Before, the first was lost and the
-    second only logged "already stopping": serve went on forever."""
-    then = 60 if signals == 2 else 0.5
+    serve). serve still stops: once the pipeline is made (swallowed by the pipeline function:
+    exit 130, nothing served), once the Producer is made (swallowed by the loader's len(): a
+    stop as it serves, exit 0), or at once on a second signal while the pipeline goes on
+    loading. Before, the first was lost and the second only logged "already stopping": serve
+    went on forever."""
+    function = "deaf" if where == "pipeline" else "deaf_len"
+    then = ("--arg", "then=60" if signals == 2 else "then=0.5") if where == "pipeline" else ()
     log = tmp_path / "serve.log"
     with open(log, "w") as f:
         serve = subprocess.Popen(
-            command("serve", f"{pipeline}:deaf", "--name", unique_name("cli"), "--arg", f"then={then}"),
+            command("serve", f"{pipeline}:{function}", "--name", unique_name("cli"), *then),
             cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
     try:
         wait_until(lambda: "loading" in log.read_text(), 60, "the pipeline to start loading")
         serve.send_signal(signal.SIGINT)
         if signals == 2:
-            wait_until(
-                lambda: "SIGINT: ending the stream" in log.read_text(), 30, "the first SIGINT to be logged"
-            )
-            time.sleep(0.2)  # (swallowed by now: the pipeline sleeps on)
+            wait_until(lambda: "swallowed" in log.read_text(), 30, "the first SIGINT to be swallowed")
             serve.send_signal(signal.SIGINT)
-        assert serve.wait(timeout=30) == 130, log.read_text()
+        assert serve.wait(timeout=30) == (130 if where == "pipeline" else 0), log.read_text()
         text = log.read_text()
-        assert "interrupted before serving" in text and "Traceback" not in text, text
+        assert "SIGINT: ending the stream" in text and "Traceback" not in text, text
+        ended = "interrupted before serving" if where == "pipeline" else "producer serving"
+        assert ended in text and ("stopped" in text) == (where == "producer"), text
         assert ("SIGINT again: the first one's stop was lost" in text) == (signals == 2), text
+        assert shm_segments(serve.pid) == []
     finally:
         kill(serve)
 

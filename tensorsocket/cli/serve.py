@@ -329,6 +329,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             log.error("could not resume: %s", describe(exc))
             log.debug("traceback", exc_info=True)
             return EXIT_FAIL
+        if asked.is_set():  # swallowed while it was made (by the loader, say): a stop as it serves
+            raise KeyboardInterrupt
         if args.progress > 0:
             progress = threading.Thread(
                 target=_progress,
@@ -355,6 +357,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log.info("served %d epoch(s); every consumer finished", args.epochs)
         return EXIT_OK
     except KeyboardInterrupt:  # serve() has ended the stream cleanly, or nothing was served yet
+        cleaning.set()  # (before the traceback goes, which may hold a rerun's loader workers)
         if producer is None:
             log.info("interrupted before serving")
             return EXIT_INTERRUPTED
