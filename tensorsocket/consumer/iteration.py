@@ -242,15 +242,15 @@ class Batches:
                 wait_checks.catch_up_after_freeze(self)
             if self.settings.group is not None and not self.settings.copy:  # (a copy costs ms: not here)
                 self.turns.read_waiting()  # (a recv a batch, for a group member only)
-        if shared.cut_off is not None and kind in (BATCH, EPOCH_END):
-            if (payload[1] if kind == BATCH else payload) > shared.cut_until:
+        if kind in (BATCH, EPOCH_END):
+            epoch, index = (payload[1], payload[2]) if kind == BATCH else (payload, 0)
+            if shared.cut_off is not None and epoch > shared.cut_until:
                 self.error = shared.cut_off  # evicted, or its group broke, while this was queued
                 raise self.error
-        if kind in (BATCH, EPOCH_END):
-            self._note_position(kind, *((payload[1], payload[2]) if kind == BATCH else (payload, 0)))
+            self._note_position(kind, epoch, index)
         if kind == BATCH:
             self.mid_epoch = True
-            batch, epoch, index, seq, token, release, self.samples, reader = payload
+            batch, _, _, seq, token, release, self.samples, reader = payload
             self.taken_seq = seq
             # Counted as held from here (not when built): the hoarding check must not count a
             # batch the I/O thread is still building or queueing. A batch delivered as a copy
