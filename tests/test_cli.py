@@ -400,21 +400,21 @@ def test_a_stop_is_under_way_while_its_interrupt_or_what_it_raised_is_handled() 
     """serve's handler only logs a signal while the stop runs: an except block handling the
     KeyboardInterrupt, or one handling what was raised there (the close's TimeoutError as it
     lingers: a second Ctrl-C then would cut the clean end short). Elsewhere, raised again."""
-    from tensorsocket.cli.serve import _handling_interrupt
+    from tensorsocket.cli.common import handling
 
-    assert not _handling_interrupt()
+    assert not handling(KeyboardInterrupt)
     try:
         raise KeyboardInterrupt
     except KeyboardInterrupt:
-        assert _handling_interrupt()
+        assert handling(KeyboardInterrupt)
         try:
             raise TimeoutError
         except TimeoutError:
-            assert _handling_interrupt()
+            assert handling(KeyboardInterrupt)
     try:
         raise TimeoutError
     except TimeoutError:
-        assert not _handling_interrupt()
+        assert not handling(KeyboardInterrupt)
 
 
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])

@@ -250,22 +250,13 @@ def test_ctrl_c_stops_trainers_and_producer(workdir: Path) -> None:
     """Also: the producer does not wait for a trial that exits before it joins (a=1)."""
     logs = workdir / "logs"
     proc = _start_serving_sweep(workdir, logs, "a=0,1")
-    try:
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=40)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    out = _stop(proc, lambda: proc.send_signal(signal.SIGINT))
     assert proc.returncode == 130, out
     trials = json.loads((logs / "summary.json").read_text())["trials"]
     assert [t["status"] for t in trials] == ["stopped", "failed"]
     assert trials[1]["exit_code"] == 5
     assert "1 consumer(s) joined" in _read(logs / "producer.log")
-    trainer_pids = [_trainer_pid(Path(t["log"])) for t in trials]
-    (producer,) = producer_pids(logs)
-    for pid in [*trainer_pids, producer]:
-        assert not pid_alive(pid), pid
-    assert shm_segments(producer) == []
+    _assert_all_gone(logs, trials)
     assert "closed" in _read(logs / "producer.log")
 
 
@@ -311,12 +302,14 @@ def test_ctrl_c_while_the_producer_makes_its_pipeline_stops_at_once(workdir: Pat
     assert [t["status"] for t in trials] == ["not run"]
 
 
-def _start_serving_sweep(workdir: Path, logs: Path, grid: str = "a=0") -> subprocess.Popen[str]:
+def _start_serving_sweep(
+    workdir: Path, logs: Path, grid: str = "a=0", sweep: tuple[str, ...] = ("-m", "tensorsocket.cli.sweep")
+) -> subprocess.Popen[str]:
     """A sweep of long trials (a=0: one that runs; a=1 exits before it joins), once its
-    producer serves."""
+    producer serves (``sweep``: what the interpreter runs, and options to add)."""
     proc = subprocess.Popen(
         [
-            sys.executable, "-m", "tensorsocket.cli.sweep",
+            sys.executable, *sweep,
             "--pipeline", "pipe.py:make",
             "--trainer", "python trainer.py --epochs 100000 --step 0.2",
             "--grid", grid,
@@ -344,6 +337,74 @@ def _start_serving_sweep(workdir: Path, logs: Path, grid: str = "a=0") -> subpro
     return proc
 
 
+# The sweep, its status query for --trial-timeout swallowing what lands in it the first time
+# (as msgpack's decode under an ``except Exception``, or a __del__, would); no answer after.
+DEAF_SWEEP = """
+import pathlib, sys, time
+from tensorsocket.cli import sweep
+from tensorsocket.cli.sweep import processes
+
+calls = []
+
+def deaf_status(endpoint, timeout):
+    if not calls:
+        calls.append(1)
+        pathlib.Path("querying").touch()
+        try:
+            time.sleep(60)
+        except {caught}:
+            pathlib.Path("swallowed").touch()
+    raise RuntimeError("no answer")
+
+processes.query_status = deaf_status
+sys.exit(sweep.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("caught", ["Exception", "BaseException"])
+def test_a_stop_swallowed_where_it_landed_still_stops_the_sweep(workdir: Path, caught: str) -> None:
+    """Before, the first signal set every stop signal to SIG_IGN and raised an Exception: an
+    ``except Exception`` it landed in dropped it, and nothing short of SIGKILL stopped the
+    sweep. Now it is not an Exception, and a second signal after one lost all the same (in
+    code that swallows anything) stops the sweep too."""
+    (workdir / "deaf_sweep.py").write_text(DEAF_SWEEP.format(caught=caught))
+    logs = workdir / "logs"
+    proc = _start_serving_sweep(workdir, logs, sweep=("deaf_sweep.py", "--trial-timeout", "1000"))
+
+    def interrupt() -> None:
+        wait_until((workdir / "querying").exists, 20, "the sweep's status query")
+        proc.send_signal(signal.SIGINT)
+        if caught == "BaseException":
+            wait_until((workdir / "swallowed").exists, 20, "the query to swallow the first SIGINT")
+            proc.send_signal(signal.SIGINT)
+
+    out = _stop(proc, interrupt)
+    assert proc.returncode == 130, out
+    assert (workdir / "swallowed").exists() == (caught == "BaseException")
+    trials = json.loads((logs / "summary.json").read_text())["trials"]
+    assert [t["status"] for t in trials] == ["stopped"]
+    _assert_all_gone(logs, trials)
+
+
+def _stop(proc: subprocess.Popen[str], send: Any) -> str:
+    """``send()`` a serving sweep its stop; its output once it exited (killed if not in 40 s)."""
+    try:
+        send()
+        out, _ = proc.communicate(timeout=40)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return out
+
+
+def _assert_all_gone(logs: Path, trials: list[dict[str, Any]]) -> None:
+    """Every trial's trainer and the wave's producer exited, and no shared memory is left."""
+    (producer,) = producer_pids(logs)
+    for pid in [*(_trainer_pid(Path(t["log"])) for t in trials), producer]:
+        assert not pid_alive(pid), pid
+    assert shm_segments(producer) == []
+
+
 def _trainer_pid(log: Path) -> int:
     wait_until(lambda: re.search(r"^pid (\d+)", _read(log), re.M) is not None, 10, "the trainer's pid")
     return int(re.search(r"^pid (\d+)", _read(log), re.M).group(1))
@@ -354,19 +415,11 @@ def test_sighup_stops_trainers_and_producer_like_sigterm(workdir: Path) -> None:
     sessions of their own, get no SIGHUP and would otherwise outlive it."""
     logs = workdir / "logs"
     proc = _start_serving_sweep(workdir, logs)
-    try:
-        proc.send_signal(signal.SIGHUP)
-        out, _ = proc.communicate(timeout=40)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    out = _stop(proc, lambda: proc.send_signal(signal.SIGHUP))
     assert proc.returncode == 128 + signal.SIGHUP, out
-    (trial,) = json.loads((logs / "summary.json").read_text())["trials"]
-    assert trial["status"] == "stopped"
-    (producer,) = producer_pids(logs)
-    for pid in (_trainer_pid(Path(trial["log"])), producer):
-        assert not pid_alive(pid), pid
-    assert shm_segments(producer) == []
+    trials = json.loads((logs / "summary.json").read_text())["trials"]
+    assert [t["status"] for t in trials] == ["stopped"]
+    _assert_all_gone(logs, trials)
 
 
 def test_a_killed_sweeps_trainers_fail_instead_of_taking_the_cut_stream_for_a_finished_run(

@@ -39,6 +39,18 @@ def detach_output() -> None:
         pass
 
 
+def handling(*kinds: type[BaseException]) -> bool:
+    """Is this thread handling an exception of one of ``kinds``, or one raised while it did
+    (a TimeoutError as serve's close lingers)? A stop signal's handler asks: while its stop
+    runs, a second signal must not cut it short; elsewhere a second signal means the first's
+    exception was swallowed by the code it landed in (an ``except Exception``, an extension
+    module's import, a ``__del__``), so it is raised again, or nothing would stop the command."""
+    exc = sys.exc_info()[1]
+    while exc is not None and not isinstance(exc, kinds):
+        exc = exc.__context__
+    return exc is not None
+
+
 # ---------------------------------------------------------------------------- option types
 
 

@@ -26,6 +26,7 @@ from .common import (
     count,
     detach_output,
     fmt_bytes,
+    handling,
     positive_int,
     resolve,
     seconds,
@@ -250,15 +251,6 @@ def check_gpu(device: str) -> None:
         raise UsageError(f"--device {device}: this process sees {seen} GPU(s) (CUDA_VISIBLE_DEVICES?)")
 
 
-def _handling_interrupt() -> bool:
-    """Is this thread handling a KeyboardInterrupt, or an exception raised while it did (a
-    TimeoutError as the producer's close lingers)?"""
-    exc = sys.exc_info()[1]
-    while exc is not None and not isinstance(exc, KeyboardInterrupt):
-        exc = exc.__context__
-    return exc is not None
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     options = producer_options(args)  # usage errors first: before logging is set up
     endpoint = resolve(args)
@@ -277,7 +269,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # close, the ends below): it must run whole. Else a signal after the first means that
         # the first's was swallowed by the code it landed in (an extension module's import):
         # raised again, not ignored, or serve would never stop.
-        if cleaning.is_set() or _handling_interrupt():
+        if cleaning.is_set() or handling(KeyboardInterrupt):
             log.warning("already stopping; waiting up to %g s for consumers to take the end", args.linger)
             return
         if signum == signal.SIGHUP and sys.stderr.isatty():  # its terminal is gone: writes fail

@@ -15,13 +15,17 @@ from typing import Any
 from ... import endpoint as endpoints
 from ...pipeline import PipelineError
 from ...pipeline import load as load_pipeline
-from ..common import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, detach_output
+from ..common import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, detach_output, handling
 from .processes import run_wave, terminate
 from .report import Display, summary_table, write_summary
 from .trials import SweepError, Trial, make_trials
 
 
-class _Interrupted(Exception):
+class _Interrupted(BaseException):
+    """A stop signal (SIGTERM, SIGHUP; SIGINT too), raised where it landed. Not an Exception,
+    as KeyboardInterrupt is not: an ``except Exception`` it landed in (msgpack's decode of a
+    status reply, under ``--trial-timeout``) took it for that code's own error and dropped it."""
+
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
@@ -81,8 +85,10 @@ def run(args: argparse.Namespace) -> int:
     )
 
     def on_signal(signum: int, frame: Any) -> None:
-        for sig in previous:  # a second Ctrl-C must not cut the clean-up short
-            signal.signal(sig, signal.SIG_IGN)
+        if handling(_Interrupted, KeyboardInterrupt):
+            return  # the trials and the producer are being stopped: a second Ctrl-C must not cut that short
+        # Else this is the first, or the first's exception was swallowed where it landed (a
+        # __del__, say): raised again, as ignoring it would leave the sweep unstoppable.
         if signum == signal.SIGHUP:  # the terminal is gone: writing to it would fail the clean-up
             detach_output()
         raise _Interrupted(signum)
