@@ -4,10 +4,13 @@ its modes."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import os
+import pty
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -44,9 +47,10 @@ def broken():
 """
 
 # Iterates the shared loader; exits 3 mid-stream (abruptly, holding a batch) for lr=0.2 and
-# width=2, 5 before it even joins for a=1, and hangs holding its first batch for hang=1.
+# width=2, 5 before it even joins for a=1, hangs holding its first batch for hang=1, and for
+# deaf=1 takes a SIGTERM for a note (the file ./termed) and goes on.
 TRAINER = """
-import argparse, json, os, sys, time
+import argparse, json, os, signal, sys, time
 from tensorsocket import Consumer
 
 p = argparse.ArgumentParser()
@@ -56,7 +60,10 @@ p.add_argument("--a", type=int, default=0)
 p.add_argument("--epochs", type=int, default=2)
 p.add_argument("--step", type=float, default=0.01)
 p.add_argument("--hang", type=int, default=0)
+p.add_argument("--deaf", type=int, default=0)
 args = p.parse_args()
+if args.deaf:  # notes a SIGTERM, and goes on
+    signal.signal(signal.SIGTERM, lambda *_: open("termed", "w").close())
 print("pid", os.getpid(), flush=True)
 if args.a == 1:
     sys.exit(5)
@@ -303,21 +310,27 @@ def test_ctrl_c_while_the_producer_makes_its_pipeline_stops_at_once(workdir: Pat
 
 
 def _start_serving_sweep(
-    workdir: Path, logs: Path, grid: str = "a=0", sweep: tuple[str, ...] = ("-m", "tensorsocket.cli.sweep")
+    workdir: Path,
+    logs: Path,
+    grid: str = "a=0",
+    sweep: tuple[str, ...] = ("-m", "tensorsocket.cli.sweep"),
+    trainer: str = "",
+    output: Any = subprocess.PIPE,
 ) -> subprocess.Popen[str]:
     """A sweep of long trials (a=0: one that runs; a=1 exits before it joins), once its
-    producer serves (``sweep``: what the interpreter runs, and options to add)."""
+    producer serves (``sweep``: what the interpreter runs, and options to add; ``trainer``:
+    the trainer's options to add; ``output``: where the sweep writes)."""
     proc = subprocess.Popen(
         [
             sys.executable, *sweep,
             "--pipeline", "pipe.py:make",
-            "--trainer", "python trainer.py --epochs 100000 --step 0.2",
+            "--trainer", f"python trainer.py --epochs 100000 --step 0.2 {trainer}",
             "--grid", grid,
             "--epochs", "100000",
             "--logs", str(logs),
         ],
         cwd=workdir,
-        stdout=subprocess.PIPE,
+        stdout=output,
         stderr=subprocess.STDOUT,
         text=True,
     )  # fmt: skip
@@ -381,6 +394,43 @@ def test_a_stop_swallowed_where_it_landed_still_stops_the_sweep(workdir: Path, c
     out = _stop(proc, interrupt)
     assert proc.returncode == 130, out
     assert (workdir / "swallowed").exists() == (caught == "BaseException")
+    trials = json.loads((logs / "summary.json").read_text())["trials"]
+    assert [t["status"] for t in trials] == ["stopped"]
+    _assert_all_gone(logs, trials)
+
+
+def test_a_terminal_closed_while_the_sweep_stops_lets_it_write_its_summary(workdir: Path) -> None:
+    """Ctrl-C, then the sweep's terminal closes while it stops the trials (one that does not
+    stop on SIGTERM holds that up for 5 s). The SIGHUP is no second stop, but the output goes
+    to /dev/null at once: before, it was ignored, and the next write to the closed terminal
+    (EIO) ended the clean-up with a traceback and no summary."""
+    terminal, sweep_side = pty.openpty()
+    reading = threading.Event()
+    reading.set()
+
+    def read() -> None:  # (a terminal nobody reads fills up, and the sweep's writes block)
+        while reading.is_set():
+            if select.select([terminal], [], [], 0.1)[0]:
+                with contextlib.suppress(OSError):
+                    os.read(terminal, 4096)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    logs = workdir / "logs"
+    try:
+        proc = _start_serving_sweep(workdir, logs, trainer="--deaf 1", output=sweep_side)
+    finally:
+        os.close(sweep_side)
+    try:
+        _trainer_pid(logs / "trial-01.log")  # (it runs)
+        proc.send_signal(signal.SIGINT)
+        wait_until((workdir / "termed").exists, 10, "the sweep to SIGTERM its trial")
+    finally:
+        reading.clear()
+        reader.join()
+        os.close(terminal)
+    out = _stop(proc, lambda: proc.send_signal(signal.SIGHUP))
+    assert proc.returncode == 130, out
     trials = json.loads((logs / "summary.json").read_text())["trials"]
     assert [t["status"] for t in trials] == ["stopped"]
     _assert_all_gone(logs, trials)

@@ -85,12 +85,12 @@ def run(args: argparse.Namespace) -> int:
     )
 
     def on_signal(signum: int, frame: Any) -> None:
+        if signum == signal.SIGHUP:  # the terminal is gone: writing to it would fail the clean-up
+            detach_output()
         if handling(_Interrupted, KeyboardInterrupt):
             return  # the trials and the producer are being stopped: a second Ctrl-C must not cut that short
         # Else this is the first, or the first's exception was swallowed where it landed (a
         # __del__, say): raised again, as ignoring it would leave the sweep unstoppable.
-        if signum == signal.SIGHUP:  # the terminal is gone: writing to it would fail the clean-up
-            detach_output()
         raise _Interrupted(signum)
 
     previous = {}
