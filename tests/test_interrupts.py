@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from tensorsocket import Consumer, Producer, ProducerLost, protocol
-from tensorsocket.consumer import delivery, inbox, link
+from tensorsocket.consumer import delivery, handshake, inbox, iteration, link
 from tensorsocket.protocol import Kind
 from tests.support import NestedLoader, expected_batch, same, serving, wait_until
 
@@ -49,10 +49,13 @@ class InterruptedAcquire:
         return getattr(self.lock, name)
 
 
-def _through_interrupts(it: Any, batches: int, seen: list[int], interrupts: list[int], after: Any) -> None:
+def _through_interrupts(
+    it: Any, batches: int, seen: list[int], interrupts: list[int], after: Any, kind: Any = KeyboardInterrupt
+) -> None:
     """Iterate ``it`` to its end as a program that catches Ctrl-C and goes on does (a notebook
     cell run again), each batch checked and counted into ``seen``, ``after(len(seen))`` with
-    the batch still bound (as a loop's variable is); each KeyboardInterrupt into ``interrupts``."""
+    the batch still bound (as a loop's variable is); each KeyboardInterrupt (or ``kind``) into
+    ``interrupts``."""
     while True:
         try:
             for batch in it:
@@ -60,7 +63,7 @@ def _through_interrupts(it: Any, batches: int, seen: list[int], interrupts: list
                 seen.append(len(seen))
                 after(len(seen))
             return
-        except KeyboardInterrupt:
+        except kind:
             interrupts.append(1)  # (not the exception: its traceback's frames hold batches)
 
 
@@ -173,32 +176,33 @@ def test_ctrl_c_as_a_batch_is_taken_from_the_io_threads_queue_never_skips_it(nam
 
 
 class _RaisingOnce(set):
-    """The consumer's set of held seqs, whose ``discard`` raises KeyboardInterrupt once armed,
-    after discarding: where Ctrl-C lands when its signal came as discard() ran in a batch's
-    finalizer (Python raises it as the call returns)."""
+    """The consumer's set of held seqs, whose ``discard`` raises KeyboardInterrupt (or
+    ``kind``) once armed, after discarding: where Ctrl-C lands when its signal came as
+    discard() ran in a batch's finalizer (Python raises it as the call returns)."""
 
     armed = False
+    kind: Any = KeyboardInterrupt
 
     def discard(self, seq: Any) -> None:
         super().discard(seq)
         if self.armed:
             type(self).armed = False
-            raise KeyboardInterrupt
+            raise self.kind
 
 
-def _one_interrupt(consumer: Any, batches: int, arm: Any) -> None:
+def _one_interrupt(consumer: Any, batches: int, arm: Any, kind: Any = KeyboardInterrupt) -> None:
     """Iterate ``consumer`` to its end through the one Ctrl-C ``arm`` sets up (a trace function
     it sets is cleared after): it reaches the loop once, and every batch comes once, in order."""
     seen: list[int] = []
     interrupts: list[int] = []
     try:
-        _through_interrupts(iter(consumer), batches, seen, interrupts, arm)
+        _through_interrupts(iter(consumer), batches, seen, interrupts, arm, kind)
     finally:
         sys.settrace(None)
     assert len(interrupts) == 1 and seen == list(range(batches))
 
 
-def _interrupt_on_entering(code: Any, armed: list[bool]) -> Any:
+def _interrupt_on_entering(code: Any, armed: list[bool], kind: Any = KeyboardInterrupt) -> Any:
     """A trace function raising KeyboardInterrupt as a function of ``code`` is entered once
     ``armed``: the exception leaves the function before its first line, with its frame in the
     traceback, as Ctrl-C does when Python checks for it at a function's first instruction (for
@@ -207,20 +211,23 @@ def _interrupt_on_entering(code: Any, armed: list[bool]) -> Any:
     def trace(frame: Any, event: str, arg: Any) -> None:
         if event == "call" and armed[0] and frame.f_code is code:
             armed[0] = False
-            raise KeyboardInterrupt
+            raise kind
 
     return trace
 
 
+@pytest.mark.parametrize("kind", [KeyboardInterrupt, SystemExit])
 @pytest.mark.parametrize("where", ["at-the-start", "before-the-release", "after-the-release"])
-def test_ctrl_c_in_a_batchs_finalizer_reaches_the_caller_and_loses_no_release(name, monkeypatch, where):
+def test_ctrl_c_in_a_batchs_finalizer_reaches_the_caller_and_loses_no_release(name, monkeypatch, where, kind):
     """A batch's finalizer runs where its last view is dropped: in a ``for`` loop, as the loop
     variable takes the next batch, in the main thread, where Ctrl-C lands. Python only prints
     an exception raised in a weak reference's callback. Before: the user's Ctrl-C did nothing
     (printed "Exception ignored"), and one that landed before the release was queued (as
     ``id()`` returned, or as ``fired`` began) lost the release: the consumer and the producer
     counted that batch as held for ever. After: the release goes, and the KeyboardInterrupt
-    reaches the loop."""
+    reaches the loop. So does what another signal's handler raises there: SystemExit from a
+    SIGTERM handler calling sys.exit() (before, only Ctrl-C's was: this one was printed, the
+    program went on, and the release was lost)."""
     batches = 12
     armed = [False]
     if where == "before-the-release":
@@ -228,10 +235,11 @@ def test_ctrl_c_in_a_batchs_finalizer_reaches_the_caller_and_loses_no_release(na
         def interrupted_id(obj: Any) -> int:
             if armed[0] and sys._getframe(1).f_code.co_name == "fired":  # (build() asks it too)
                 armed[0] = False
-                raise KeyboardInterrupt
+                raise kind
             return id(obj)
 
         monkeypatch.setattr(delivery, "id", interrupted_id, raising=False)
+    monkeypatch.setattr(_RaisingOnce, "kind", kind)
     producer = Producer(NestedLoader(batches), name=name, slots=2, replay=0)
     with serving(producer, epochs=1) as (thread, errors):
         with Consumer(name=name, label="c", timeout=30) as consumer:
@@ -241,10 +249,10 @@ def test_ctrl_c_in_a_batchs_finalizer_reaches_the_caller_and_loses_no_release(na
                 if count == 4:  # batch 3's finalizer runs as the loop takes batch 4
                     armed[0] = where in ("at-the-start", "before-the-release")
                     if where == "at-the-start":
-                        sys.settrace(_interrupt_on_entering(delivery.Releases.fired.__code__, armed))
+                        sys.settrace(_interrupt_on_entering(delivery.Releases.fired.__code__, armed, kind))
                     _RaisingOnce.armed = where == "after-the-release"
 
-            _one_interrupt(consumer, batches, arm)
+            _one_interrupt(consumer, batches, arm, kind)
             assert not live, live  # every batch dropped was released (queued for the producer)
             assert not [w for w, _ in delivery._WATCHING.values() if w() is None]
     assert errors == []
@@ -311,3 +319,132 @@ def test_the_unraisable_hook_passes_on_what_is_not_an_interrupted_release(monkey
         del owner
         assert ref() is None
     assert seen == [ValueError, KeyboardInterrupt]
+
+
+def test_ctrl_c_as_the_last_batch_is_let_go_is_raised_by_close(name):
+    """A Ctrl-C that lands in a batch's release is raised by the next next(): for the last
+    batch, none may come (the loop ended; the program drops the batch and closes). Before,
+    it was then never raised; now close() raises it, once closed."""
+    batches = 4
+    producer = Producer(NestedLoader(batches), name=name, slots=2, replay=0)
+    with serving(producer, epochs=1) as (thread, errors):
+        consumer = Consumer(name=name, timeout=30)
+        batch = None
+        for batch in consumer:  # noqa: B007 (the last one stays bound after the loop, as it does)
+            pass
+        armed = [True]
+        sys.settrace(_interrupt_on_entering(delivery.Releases.fired.__code__, armed))
+        try:
+            del batch  # its release callback: the KeyboardInterrupt goes to the consumer's hook
+        finally:
+            sys.settrace(None)
+        assert not armed[0] and not consumer._shared.live
+        with pytest.raises(KeyboardInterrupt):
+            consumer.close()
+        assert not consumer._io.is_alive()
+        consumer.close()  # (raised once)
+    assert errors == []
+
+
+@pytest.mark.parametrize("when", ["while-it-waits", "as-it-joined"])
+def test_ctrl_c_as_a_consumer_joins_leaves_no_consumer_joined(name, monkeypatch, when):
+    """Before: the KeyboardInterrupt left Consumer() with its I/O thread going on: it joined
+    (or had), heartbeated and read ahead, and never let go, a consumer no one could close
+    (there was no Consumer object); under ``stall`` the other consumer got 2 batches and waited
+    for ever. After: the thread is stopped (it leaves), and the other gets every batch."""
+    batches = 20
+    outcome = handshake.outcome
+
+    def interrupted(results: Any, shared: Any, timeout: float, endpoint: str) -> Any:
+        if when == "as-it-joined":
+            outcome(results, shared, timeout, endpoint)
+        raise KeyboardInterrupt  # (Ctrl-C as the wait for the join returns, or in it)
+
+    producer = Producer(NestedLoader(batches), name=name, slots=2, replay=0)
+    with serving(producer, epochs=1) as (thread, errors):
+        monkeypatch.setattr(handshake, "outcome", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            Consumer(name=name, label="interrupted", timeout=3)
+        monkeypatch.setattr(handshake, "outcome", outcome)
+        assert _consumer_io_threads() == []
+        _takes_every_batch(name, batches)
+        thread.join(timeout=30)
+    assert errors == []
+
+
+def test_ctrl_c_in_close_leaves_it_to_the_next_close(name):
+    """Before: close() marked the consumer closed first, so one cut short by Ctrl-C (here as
+    it set the I/O thread's stop) left it joined, and every later close() did nothing: under
+    ``stall`` the other consumer waited for ever. Now the next close() does it whole."""
+    batches = 20
+    producer = Producer(NestedLoader(batches), name=name, slots=2, replay=0, min_consumers=2)
+    with serving(producer, epochs=1) as (thread, errors):
+        first = Consumer(name=name, label="first", timeout=3)
+        other = threading.Thread(target=_takes_every_batch, args=(name, batches), daemon=True)
+        other.start()
+        wait_until(lambda: len(producer.status()["consumers"]) == 2, 10, "both consumers to join")
+        armed = [True]
+        sys.settrace(_interrupt_on_entering(threading.Event.set.__code__, armed))
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                first.close()
+        finally:
+            sys.settrace(None)
+        assert not armed[0] and first._io.is_alive()  # (cut short before it stopped the thread)
+        first.close()
+        assert not first._io.is_alive()
+        other.join(timeout=30)
+        assert not other.is_alive(), "the other consumer waited on the closed one"
+        thread.join(timeout=30)
+    assert errors == []
+
+
+def test_ctrl_c_as_next_ends_its_wait_leaves_the_iterator_free_for_another_thread(name, monkeypatch):
+    """next() notes which thread is in it, to refuse a second one at once. Before, a Ctrl-C
+    raised as the wait's last clock reading returned left that note, so every next() from
+    another thread raised RuntimeError ("in another thread") for good."""
+    batches = 6
+    armed = [False]
+    real = iteration.time.monotonic
+
+    def monotonic() -> float:
+        now = real()
+        if armed[0] and sys._getframe(1).f_code.co_name == "_waited":
+            armed[0] = False
+            raise KeyboardInterrupt
+        return now
+
+    monkeypatch.setattr(iteration.time, "monotonic", monotonic)
+    producer = Producer(NestedLoader(batches), name=name, slots=2, replay=0)
+    with serving(producer, epochs=1) as (thread, errors):
+        with Consumer(name=name, timeout=30) as consumer:
+            it = iter(consumer)
+            assert same(next(it), expected_batch(0, batches))
+            armed[0] = True
+            with pytest.raises(KeyboardInterrupt):
+                next(it)  # (batch 1, taken: the next next() returns it)
+            assert not armed[0]
+            taken: list[bool] = []
+
+            def take_the_rest() -> None:
+                for batch in it:
+                    taken.append(same(batch, expected_batch(len(taken) + 1, batches)))
+
+            other = threading.Thread(target=take_the_rest, daemon=True)
+            other.start()
+            other.join(timeout=30)
+            assert taken == [True] * (batches - 1)
+    assert errors == []
+
+
+def _consumer_io_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "tensorsocket-consumer-io"]
+
+
+def _takes_every_batch(name: str, batches: int) -> None:
+    """A consumer of ``name`` in this thread gets every batch of the epoch, in order."""
+    got = []
+    with Consumer(name=name, label="other", timeout=3) as consumer:
+        for batch in consumer:
+            got.append(same(batch, expected_batch(len(got), batches)))
+    assert got == [True] * batches

@@ -45,12 +45,13 @@ class Releases:
         I/O thread's next tick.
 
         Ctrl-C lands in the main thread, often here (a loop's ``batch = ...`` drops the last
-        one), and Python raises it as a call returns. An exception in a weak reference's
-        callback is only printed, so the user's Ctrl-C would do nothing, and one raised before
-        the release was queued would have lost it (its place held for ever). So the entry is
-        taken and the release queued with no call between them, and an interrupt finishes the
-        release if it is not queued yet and is noted: the next ``next()`` raises it, before it
-        takes a batch (raised here again, it would be dropped again)."""
+        one), and Python raises it as a call returns; so does what any signal handler raises
+        (a SIGTERM handler's ``sys.exit()``). An exception in a weak reference's callback is
+        only printed, so the user's Ctrl-C would do nothing, and one raised before the release
+        was queued would have lost it (its place held for ever). So the entry is taken and the
+        release queued with no call between them, and an exception finishes the release if it
+        is not queued yet and is noted: the next ``next()``, or ``close()``, raises it
+        (raised here again, it would be dropped again)."""
         item = done = None  # (not taken while it is in _WATCHING; not yet retired)
         try:
             key = id(watch)
@@ -68,15 +69,19 @@ class Releases:
             self.live.discard(item[0])
             if self.sleeping.now and self.sleeping.wants(self.live, self.released):
                 self.wakeup.wake()
-        except KeyboardInterrupt:
-            self.rescue(watch, item, done)
+        except BaseException as exc:
+            self.rescue(watch, item, done, exc)
 
     def rescue(
-        self, watch: weakref.ref[Any], item: tuple[Any, ...] | None, done: _ReleaseOnce | None
+        self,
+        watch: weakref.ref[Any],
+        item: tuple[Any, ...] | None,
+        done: _ReleaseOnce | None,
+        exc: BaseException,
     ) -> None:
-        """Finish the release of ``watch``'s batch that an interrupt cut short (``item``: its
+        """Finish the release of ``watch``'s batch that ``exc`` cut short (``item``: its
         entry, if it was taken; ``done``: what retire() was to call, if it was made), and note
-        the interrupt for the next ``next()``."""
+        ``exc`` for the next ``next()``."""
         entry = _WATCHING.pop(id(watch), None)
         if entry is not None:  # (not taken yet: nothing was done)
             item = entry[1]
@@ -88,7 +93,7 @@ class Releases:
             done.item[6].retire(done.item[1], done)
         if item is not None:
             self.live.discard(item[0])
-        self.interrupted.append(None)
+        self.interrupted.append(exc)
 
     def ready(self, item: tuple[Any, ...]) -> None:
         """The reader says a retired batch's region may be released (in any thread)."""
@@ -115,22 +120,22 @@ class _ReleaseOnce:
 
 
 class _Rescuer:
-    """``sys.unraisablehook`` once a consumer exists, wrapping the one before. Ctrl-C can land
-    at the very start of :meth:`Releases.fired`, before its ``try``: Python then only hands the
-    KeyboardInterrupt here, and the batch's release was lost (its place held until close; 2
-    of 36 soak runs). Here the release is finished and the interrupt noted, as ``fired``
-    itself does: the next ``next()`` raises it. The batch is known from the traceback's
-    outermost frame, ``fired``'s own (the callback is called from C), which holds its
-    arguments. Anything else goes to the hook before."""
+    """``sys.unraisablehook`` once a consumer exists, wrapping the one before. Ctrl-C (or what
+    another signal's handler raises) can land at the very start of :meth:`Releases.fired`,
+    before its ``try``: Python then only hands the exception here, and the batch's release was
+    lost (its place held until close; 2 of 36 soak runs). Here the release is finished and the
+    exception noted, as ``fired`` itself does: the next ``next()`` raises it. The batch is
+    known from the traceback's outermost frame, ``fired``'s own (the callback is called from
+    C), which holds its arguments. Anything else goes to the hook before."""
 
     def __init__(self, previous: Any) -> None:
         self.previous = previous
 
     def __call__(self, unraisable: Any) -> None:
         tb = unraisable.exc_traceback
-        if unraisable.exc_type is KeyboardInterrupt and tb is not None and tb.tb_frame.f_code is _FIRED:
+        if tb is not None and tb.tb_frame.f_code is _FIRED:
             local = tb.tb_frame.f_locals
-            local["self"].rescue(local["watch"], local.get("item"), local.get("done"))
+            local["self"].rescue(local["watch"], local.get("item"), local.get("done"), unraisable.exc_value)
         else:
             self.previous(unraisable)
 

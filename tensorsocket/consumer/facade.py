@@ -173,12 +173,22 @@ class Consumer:
         self._io = threading.Thread(
             target=io_loop.run, args=(shared, settings, outcome), name="tensorsocket-consumer-io", daemon=True
         )
-        self._io.start()
-        joined = handshake.outcome(outcome, shared, self.timeout, self.endpoint)
-        if isinstance(joined, BaseException):
-            self._io.join(timeout=5.0)
-            shared.wakeup.close()
-            raise joined
+        try:
+            self._io.start()
+            joined = handshake.outcome(outcome, shared, self.timeout, self.endpoint)
+            if isinstance(joined, BaseException):
+                self._io.join(timeout=5.0)
+                shared.wakeup.close()
+                raise joined
+            self._joined(shared, settings, restored, joined)
+        except BaseException:
+            # Ctrl-C as it waited, say: the thread would go on, join, and stay joined for the
+            # process's life, unseen (no Consumer to close), stalling every other consumer
+            if self._io.ident is not None:
+                stop_loop(shared.stop, shared.wakeup, self._io)
+            raise
+
+    def _joined(self, shared: Shared, settings: Settings, restored: Position | None, joined: Any) -> None:
         welcome, reader, self._conn = joined  # _conn: the I/O thread's state (its reader changes at a rejoin)
         if not reader.checks_writes and not faulthandler.is_enabled():
             # A write to a read-only batch is a segmentation fault: let it print the Python
@@ -287,13 +297,15 @@ class Consumer:
     def close(self) -> None:
         """Leave the producer at once (it stops waiting for us and takes back every place this
         consumer held: batches you still hold may be overwritten mid-stream, so clone what
-        you keep past close(); after the end of stream they stay valid). Idempotent."""
+        you keep past close(); after the end of stream they stay valid). Idempotent. Raises,
+        once closed, a Ctrl-C that landed as a batch was let go and no next() raised yet."""
         if self._closed:
             return
-        self._closed = True
-        _OPEN.discard(self)
         if self._fork_error is None:  # (in a forked child, what it shares stays the parent's)
             self._leave()
+        self._closed = True  # (after: a close() cut short by Ctrl-C is done again by the next)
+        _OPEN.discard(self)
+        self._shared.raise_interrupted()  # (a Ctrl-C that landed as the last batch was let go)
 
     def _forked(self) -> None:
         """In a forked child: refuse from now on (see _OPEN)."""

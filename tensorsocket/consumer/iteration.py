@@ -104,6 +104,8 @@ class Batches:
             if not self.ended and self.epoch is not None:  # (an epoch's end: its BYE says so)
                 shared.epoch_done = self.epoch - 1
             raise
+        finally:  # (first: a Ctrl-C raised as a call in here returns must not leave it set)
+            self.inside = None
         shared.epoch_done = None
         shared.taken_batches += 1
         shared.taken_samples += self.samples or 0
@@ -116,9 +118,9 @@ class Batches:
         t0 = shared.wait_started = time.monotonic()
         try:
             return get()
-        finally:
+        finally:  # (cleared first: a Ctrl-C raised as monotonic() returns loses only the sum)
+            shared.wait_started = None
             shared.waiting += time.monotonic() - t0
-            shared.wait_started = self.inside = None
 
     def _skip_rest(self) -> None:
         """The rest of an epoch whose loop was left early: received and let go."""

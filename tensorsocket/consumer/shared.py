@@ -9,9 +9,9 @@ one writer (or a thread-safe container), as listed here.
   hand-out; finalizers discard, in any thread (set.add / discard / len are atomic under the GIL).
 * ``violations`` (deque): the I/O thread appends a message when a batch changed while held;
   the caller's thread pops it and raises BatchModified.
-* ``interrupted`` (deque): a batch's finalizer appends when Ctrl-C landed in it (Python only
-  prints an exception raised there); the caller's next ``next()`` pops it and raises
-  KeyboardInterrupt before it takes anything.
+* ``interrupted`` (deque): a batch's finalizer appends the exception that landed in it
+  (Ctrl-C's, or another signal handler's: Python only prints an exception raised there); the
+  caller's next ``next()``, or ``close()``, raises it before it takes anything.
 * ``cut_off``, ``cut_until``, ``stream_over``, ``missed``: whichever thread handles the producer's messages,
   under ``link_lock`` (the I/O thread, or the caller's thread reading for itself); ``io_tick``:
   the I/O thread only. The caller's thread reads them.
@@ -100,7 +100,7 @@ class Shared:
     queue: queue.SimpleQueue[tuple[str, Any]] = field(default_factory=queue.SimpleQueue)
     released: collections.deque[tuple[Any, ...]] = field(default_factory=collections.deque)
     live: set[int] = field(default_factory=set)
-    interrupted: collections.deque[None] = field(default_factory=collections.deque)
+    interrupted: collections.deque[BaseException] = field(default_factory=collections.deque)
     violations: collections.deque[str] = field(default_factory=collections.deque)
     wakeup: Wakeup = field(default_factory=Wakeup)
     stop: threading.Event = field(default_factory=threading.Event)
@@ -128,17 +128,24 @@ class Shared:
         self.synced.set()
 
     def raise_noted(self) -> None:
-        """The caller's thread, in next(): raise the KeyboardInterrupt a batch's finalizer
-        caught, or BatchModified for the first batch found changed (each logged as found)."""
-        if self.interrupted:
-            self.interrupted.clear()
-            raise KeyboardInterrupt
+        """The caller's thread, in next(): raise the exception a batch's finalizer caught, or
+        BatchModified for the first batch found changed (each logged as found)."""
+        self.raise_interrupted()
         violations, first, more = self.violations, None, 0
         while violations:
             message = violations.popleft()
             first, more = (message, more) if first is None else (first, more + 1)
         if first is not None:
             raise BatchModified(first if not more else f"{first} ({more} more changed since: see the log)")
+
+    def raise_interrupted(self) -> None:
+        """Raise the exception a batch's finalizer caught (the first, if more came), if any."""
+        interrupted = self.interrupted
+        if interrupted:  # (no name for it here: this frame, in its traceback, would hold it,
+            # a cycle keeping the caller's frames, and the batches in them, until a collection)
+            while len(interrupted) > 1:
+                interrupted.pop()
+            raise interrupted.popleft().with_traceback(None)  # (the finalizer's frames: no use)
 
     def bye(self) -> bytes:
         """The BYE that leaves the producer, saying whether the trainer stopped at an epoch's
