@@ -128,19 +128,17 @@ class Producer:
         self._io = IoLoop(self._shared, self.endpoint, owner=self)
         try:
             bound = self._io.start()
-        except BaseException:
-            self._shared.wakeup.close()
-            store.close()
-            self._release_lock()
+            successor.bound(self.endpoint, fresh=begun is None)
+            if bound != self.endpoint:  # a tcp ":*" endpoint: the port the OS picked
+                self.endpoint = bound
+                self._shared.config = dataclasses.replace(config, endpoint=bound)
+            tracker, resumed = self._prepare(begun, pool)
+            self._publisher = Publisher(self._shared, self._io, pool, min_consumers, grace, tracker, resumed)
+            with self._shared.changed:  # (after the publisher: the WELCOMEs say whom it waits for)
+                successor.settle(self._shared, resumed, tracker)
+        except BaseException:  # (Ctrl-C, say: else the I/O thread would serve the name on, unseen)
+            self._stop_and_free()
             raise
-        successor.bound(self.endpoint, fresh=begun is None)
-        if bound != self.endpoint:  # a tcp ":*" endpoint: the port the OS picked
-            self.endpoint = bound
-            self._shared.config = dataclasses.replace(config, endpoint=bound)
-        tracker, resumed = self._prepare(begun, pool)
-        self._publisher = Publisher(self._shared, self._io, pool, min_consumers, grace, tracker, resumed)
-        with self._shared.changed:  # (after the publisher: the WELCOMEs say whom it waits for)
-            successor.settle(self._shared, resumed, tracker)
         self._closed = False
         # If close() is never called (a script without `with` that raises): at exit, stop the
         # I/O thread before zmq is torn down under it (that aborts the process) and free the
@@ -161,8 +159,7 @@ class Producer:
         self, begun: successor.Begun | None, pool: LoaderPool
     ) -> tuple[restart.Tracker | None, restart.Resumed | None]:
         """A resuming producer's loader brought to its restart point, bound meanwhile (see
-        :mod:`.successor`); on an error the HELLOs held are answered with it, and on any
-        failure the name is given up."""
+        :mod:`.successor`); on an error the HELLOs held are answered with it."""
         if begun is None:
             return None, None
         shared = self._shared
@@ -177,7 +174,6 @@ class Producer:
             if isinstance(exc, Exception):  # (interrupted: they wait on, for another successor)
                 with shared.changed:
                     successor.refuse_held(shared, f"the producer could not resume its stream: {exc}")
-            self._stop_and_free()
             raise
         return tracker, resumed
 
@@ -263,17 +259,18 @@ class Producer:
         except TensorSocketError:
             pass  # the I/O thread is already gone
         finally:
-            self._closed = True
             self._stop_and_free()
+            self._closed = True  # (after: a close() cut short by Ctrl-C is done again by the next)
             log.info("producer on %s closed", self.endpoint)
 
     def _stop_and_free(self) -> None:
         """Stop the I/O thread, free the places and give up the name: at close(), or when
-        the constructor fails once the name is bound."""
+        the constructor fails once the name is bound. Done again whole if cut short."""
         shared = self._shared
         shared.stop.set()
         shared.wakeup.wake()
-        self._io.thread.join(timeout=5.0)
+        if self._io.thread.ident is not None:  # (started)
+            self._io.thread.join(timeout=5.0)
         with shared.changed:
             shared.store.close()
         shared.wakeup.close()
