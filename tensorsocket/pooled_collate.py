@@ -320,8 +320,8 @@ def installed(loader: Any, collate: PooledCollate | None) -> Iterator[bool]:
         yield False
         return
     loader.collate_fn = collate
-    collate.new_epoch()
-    try:
+    try:  # (new_epoch() inside: a Ctrl-C there must leave the loader as it was too)
+        collate.new_epoch()
         yield True
     finally:
         loader.collate_fn = default_collate

@@ -6,6 +6,7 @@ interface by default; there it can only reach loopback): a 2-node local cluster,
 * ``kill``: a producer actor SIGKILLed under its consumers (restarted: they go on exactly),
   then killed again with no restart left (its consumer fails clearly);
 * ``data``: a Ray Data pipeline as each node's loader;
+* ``cut``: a fleet's close() cut short by Ctrl-C as it waits for its actors to stop;
 * ``left``: what is left after the fleets and the cluster are gone.
 
     unshare -n sh -c 'ip link set lo up && exec python3 tests/ray_scenario.py OUT.json'
@@ -279,6 +280,43 @@ def data_run(ray: Any, nodes: list[str]) -> dict[str, Any]:
     return report
 
 
+def cut_run(ray: Any, nodes: list[str]) -> dict[str, Any]:
+    """A fleet whose close() Ctrl-C cuts short as it waits for the actors to stop (a trace
+    function raises as ``ray.wait`` is entered): the actors are killed and the nodes cleaned
+    all the same, and the next close() has nothing left to do."""
+    import inspect
+
+    import tensorsocket.ray as tsray
+
+    fleet = tsray.producers(f"{PIPELINE}:make_loader", "cut", cpus=1, replay=0)
+    report: dict[str, Any] = {"names": fleet.names, "interrupted": False}
+    code, armed = inspect.unwrap(ray.wait).__code__, [True]
+
+    def trace(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and armed[0] and frame.f_code is code:
+            armed[0] = False
+            raise KeyboardInterrupt
+
+    sys.settrace(trace)
+    try:
+        fleet.close()
+    except KeyboardInterrupt:
+        report["interrupted"] = True
+    finally:
+        sys.settrace(None)
+    report["alive_after"] = []
+    for node, actor in fleet._actors.items():
+        try:
+            ray.get(actor.status.remote(), timeout=30)
+            report["alive_after"].append(node)
+        except ray.exceptions.RayActorError:
+            pass  # killed
+    report["cleanup"] = dict(fleet.cleanup)
+    fleet.close()  # (nothing left to do: no error)
+    report["pids"] = {n: sorted(p) for n, p in fleet.pids.items()}
+    return report
+
+
 def main(out_path: str) -> int:
     import ray
     from ray.cluster_utils import Cluster
@@ -314,6 +352,7 @@ def main(out_path: str) -> int:
             ("tune", lambda: tune_run(ray, os.path.join(tmp, "tune"))),
             ("kill", lambda: kill_run(ray, nodes)),
             ("data", lambda: data_run(ray, nodes)),
+            ("cut", lambda: cut_run(ray, nodes)),
         ]
         wanted = set(sys.argv[2:]) or {name for name, _ in parts}
         for name, run in parts:

@@ -195,6 +195,12 @@ def test_installed_only_for_a_dataloader_with_workers_and_default_collate() -> N
     with installed(plain, for_loader(plain)) as on:
         assert on and isinstance(plain.collate_fn, PooledCollate) and plain.collate_fn.buffers == 5
     assert plain.collate_fn is default_collate  # the loader is left as it was
+    pooled = for_loader(plain)
+    assert pooled is not None
+    pooled.new_epoch = lambda: _raise(KeyboardInterrupt)  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt), installed(plain, pooled):
+        pass
+    assert plain.collate_fn is default_collate  # (a Ctrl-C as it began, too: before, it stayed pooled)
     for other in (
         DataLoader(Frames(), batch_size=BATCH),  # no workers
         DataLoader(Frames(), batch_size=BATCH, num_workers=1, collate_fn=lambda b: b),  # its own collate
@@ -342,3 +348,7 @@ def test_in_a_64_mib_dev_shm_the_pool_leaves_half_of_it_free(tmp_path: Any) -> N
     report, _ = run_in_64_mib_dev_shm(SMALL_SHM, [], tmp_path)
     assert report["bad"] == [], report
     assert 1 <= report["pooled"] <= 4, report
+
+
+def _raise(exc: type[BaseException]) -> None:
+    raise exc

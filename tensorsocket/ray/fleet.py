@@ -168,10 +168,22 @@ class Fleet:
 
         if self._closed:
             return
-        self._closed = True
         if not ray.is_initialized():  # ray.shutdown() came first: the actors went with the cluster
+            self._closed = True
             log.warning("tensorsocket.ray: Ray was shut down before the fleet %s closed", self.name)
             return
+        try:
+            self._stop()
+        finally:  # (also when Ctrl-C cut the wait for the stops short: the actors go all the same)
+            for actor in self._actors.values():
+                ray.kill(actor, no_restart=True)
+            self._clean()
+            self._closed = True  # (after: a close() cut short in the clean-up is done again by the next)
+
+    def _stop(self) -> None:
+        """Ask every node's actor to end its stream and wait (boundedly) for their records."""
+        import ray
+
         stops = {self._actors[node].stop.remote(): node for node in self.nodes}
         ray.wait(list(stops), num_returns=len(stops), timeout=self.linger + _STOP_S)
         for ref, node in stops.items():
@@ -184,9 +196,6 @@ class Fleet:
             else:
                 self._note(record)
             self.final[node] = record
-        for actor in self._actors.values():
-            ray.kill(actor, no_restart=True)
-        self._clean()
 
     def _clean(self) -> None:
         import ray
