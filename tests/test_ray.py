@@ -234,7 +234,7 @@ def test_a_killed_process_is_alive_until_its_last_thread_is_gone() -> None:
     """The clean-up waits for the actors' processes to exit before it takes their names' locks.
     A killed process's main thread turns zombie before its other threads have exited, and
     they hold its files meanwhile: taken for gone then, the clean-up found the lock held and
-    left the name's files (1 in 3 scenario runs). Here a main thread that exits alone."""
+    left the name's files (2 of 2 scenario runs here, before). Here a main thread that exits alone."""
     from tensorsocket.host import process_state
     from tensorsocket.ray.actor import _alive
 

@@ -213,7 +213,7 @@ def children(pid: int) -> list[int]:
 def _alive(pid: int) -> bool:
     """A zombie has exited (its parent only has not reaped it yet); no /proc entry, gone. But
     a killed process's main thread turns zombie before its other threads are done, and they
-    hold its files meanwhile (a name's lock: the clean-up found it held, 1 in 3 scenario runs)."""
+    hold its files meanwhile (a name's lock: the clean-up found it held, 2 of 2 scenario runs here, before)."""
     state = process_state(pid)
     if state != "Z":
         return state is not None
