@@ -319,8 +319,8 @@ def installed(loader: Any, collate: PooledCollate | None) -> Iterator[bool]:
     if collate is None or not eligible(loader):
         yield False
         return
-    loader.collate_fn = collate
-    try:  # (new_epoch() inside: a Ctrl-C there must leave the loader as it was too)
+    try:  # (all inside: a Ctrl-C as DataLoader.__setattr__ returns must leave it as it was too)
+        loader.collate_fn = collate
         collate.new_epoch()
         yield True
     finally:

@@ -54,5 +54,6 @@ def stop_loop(stop: threading.Event, wakeup: Wakeup, thread: threading.Thread) -
     socket (that aborts the process)."""
     stop.set()
     wakeup.wake()
-    if thread is not threading.current_thread():
+    # (a thread not started yet, its start() cut short by Ctrl-C, stops as it begins)
+    if thread is not threading.current_thread() and thread.ident is not None:
         thread.join(timeout=2.0)

@@ -289,7 +289,7 @@ def cut_run(ray: Any, nodes: list[str]) -> dict[str, Any]:
     import tensorsocket.ray as tsray
 
     fleet = tsray.producers(f"{PIPELINE}:make_loader", "cut", cpus=1, replay=0)
-    report: dict[str, Any] = {"names": fleet.names, "interrupted": False}
+    report: dict[str, Any] = {"names": dict(fleet.names), "interrupted": False}
     code, armed = inspect.unwrap(ray.wait).__code__, [True]
 
     def trace(frame: Any, event: str, arg: Any) -> None:
@@ -314,6 +314,21 @@ def cut_run(ray: Any, nodes: list[str]) -> dict[str, Any]:
     report["cleanup"] = dict(fleet.cleanup)
     fleet.close()  # (nothing left to do: no error)
     report["pids"] = {n: sorted(p) for n, p in fleet.pids.items()}
+
+    # Cut short in the clean-up instead: the next close() cleans, and keeps the stops' records.
+    fleet = tsray.producers(f"{PIPELINE}:make_loader", "cut2", cpus=1, replay=0)
+    report["names"].update({f"2-{n}": name for n, name in fleet.names.items()})
+    code, armed = type(fleet)._clean.__code__, [True]
+    sys.settrace(trace)
+    try:
+        fleet.close()
+    except KeyboardInterrupt:
+        report["interrupted_cleaning"] = {"final": dict(fleet.final), "cleanup": dict(fleet.cleanup)}
+    finally:
+        sys.settrace(None)
+    fleet.close()
+    report["after_cleaning"] = {"final": dict(fleet.final), "cleanup": dict(fleet.cleanup)}
+    report["pids"].update({f"2-{n}": sorted(p) for n, p in fleet.pids.items()})
     return report
 
 

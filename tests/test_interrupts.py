@@ -266,6 +266,42 @@ def test_ctrl_c_in_a_batchs_finalizer_reaches_the_caller_and_loses_no_release(na
     assert errors == []
 
 
+@pytest.mark.parametrize("where", ["at-the-start", "after-the-release"])
+def test_a_bug_in_a_batchs_release_is_printed_and_the_release_goes(name, monkeypatch, where):
+    """What is not a stop (an Exception: a bug) in a batch's release callback is printed as
+    Python prints it, as before, not raised in the caller's next() (it may come from another
+    thread's release, and would stop the training), and the batch is released all the same."""
+    batches = 12
+    armed = [False]
+    monkeypatch.setattr(_RaisingOnce, "kind", RuntimeError)
+    producer = Producer(NestedLoader(batches), name=name, slots=2, replay=0)
+    with serving(producer, epochs=1) as (thread, errors):
+        with Consumer(name=name, label="c", timeout=30) as consumer:
+            live = consumer._shared.live = consumer._batches.turns.inbox.releases.live = _RaisingOnce()
+            printed: list[Any] = []
+            monkeypatch.setattr(sys.unraisablehook, "previous", lambda u: printed.append(u.exc_type))
+            seen: list[int] = []
+            try:
+                for batch in consumer:
+                    assert same(batch, expected_batch(len(seen), batches))
+                    seen.append(len(seen))
+                    if len(seen) == 4:  # batch 3's release runs as the loop takes batch 4
+                        armed[0] = where == "at-the-start"
+                        if armed[0]:
+                            sys.settrace(
+                                _interrupt_on_entering(delivery.Releases.fired.__code__, armed, RuntimeError)
+                            )
+                        _RaisingOnce.armed = where == "after-the-release"
+                    elif len(seen) == 5:
+                        sys.settrace(None)
+            finally:
+                sys.settrace(None)
+            del batch
+            assert seen == list(range(batches)) and printed == [RuntimeError]
+            assert not live and not consumer._shared.interrupted
+    assert errors == []
+
+
 @pytest.mark.parametrize("where", ["as-retire-begins", "after-retire"])
 def test_ctrl_c_in_a_gpu_batchs_finalizer_releases_it_once(name, monkeypatch, where):
     """On the GPU path the finalizer hands the batch to its reader's retire(), which releases
@@ -302,9 +338,10 @@ def test_ctrl_c_in_a_gpu_batchs_finalizer_releases_it_once(name, monkeypatch, wh
 
 
 def test_the_unraisable_hook_passes_on_what_is_not_an_interrupted_release(monkeypatch):
-    """The hook a consumer puts in front of ``sys.unraisablehook`` takes only a Ctrl-C that
-    left a batch's release callback; any other exception a callback or ``__del__`` raised
-    (a KeyboardInterrupt too) reaches the hook that was there, as before."""
+    """The hook a consumer puts in front of ``sys.unraisablehook`` takes only a stop (Ctrl-C's
+    KeyboardInterrupt, ``sys.exit()``'s SystemExit) that left a batch's release callback; any
+    other exception a callback or ``__del__`` raised (a KeyboardInterrupt too) reaches the
+    hook that was there, as before."""
     seen: list[type[BaseException]] = []
     monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: seen.append(unraisable.exc_type))
     delivery.rescue_interrupted_releases()
@@ -368,7 +405,9 @@ def test_ctrl_c_as_a_consumer_joins_leaves_no_consumer_joined(name, monkeypatch,
             outcome(results, shared, timeout, endpoint)
         raise KeyboardInterrupt  # (Ctrl-C as the wait for the join returns, or in it)
 
-    producer = Producer(NestedLoader(batches), name=name, slots=2, replay=0)
+    # (the default replay budget: the epoch may have begun for the interrupted consumer, and
+    # the other, a late joiner then, replays it from its first batch)
+    producer = Producer(NestedLoader(batches), name=name, slots=2)
     with serving(producer, epochs=1) as (thread, errors):
         monkeypatch.setattr(handshake, "outcome", interrupted)
         with pytest.raises(KeyboardInterrupt):
@@ -456,3 +495,18 @@ def _takes_every_batch(name: str, batches: int) -> None:
         for batch in consumer:
             got.append(same(batch, expected_batch(len(got), batches)))
     assert got == [True] * batches
+
+
+def test_a_loop_whose_start_was_cut_short_is_stopped_all_the_same():
+    """Ctrl-C can cut Thread.start() short before the new thread runs: Consumer() then stops it
+    as it stops a started one (joining it raised RuntimeError, so it was skipped, and the thread
+    began later and joined the producer). Its stop is set, so it ends as it begins."""
+    from tensorsocket.wakeup import Wakeup, stop_loop
+
+    stop, wakeup, ran = threading.Event(), Wakeup(), []
+    thread = threading.Thread(target=lambda: ran.append(stop.is_set()), daemon=True)
+    stop_loop(stop, wakeup, thread)  # (not started: no join, no error)
+    thread.start()
+    thread.join(timeout=10)
+    wakeup.close()
+    assert ran == [True]

@@ -436,6 +436,43 @@ def test_a_terminal_closed_while_the_sweep_stops_lets_it_write_its_summary(workd
     _assert_all_gone(logs, trials)
 
 
+# The sweep, its summary slow to write (a slow disk, say)
+SLOW_SUMMARY_SWEEP = """
+import pathlib, sys, time
+from tensorsocket.cli import sweep
+from tensorsocket.cli.sweep import launcher
+
+write = launcher.write_summary
+
+def slow(*args):
+    pathlib.Path("summarizing").touch()
+    time.sleep(3)
+    write(*args)
+
+launcher.write_summary = slow
+sys.exit(sweep.main(sys.argv[1:]))
+"""
+
+
+def test_a_second_ctrl_c_as_the_summary_is_written_is_ignored(workdir: Path) -> None:
+    """Before: the signal handlers were given back before the summary was written, so a second
+    Ctrl-C then ended the sweep with a traceback and no summary."""
+    (workdir / "slow_summary.py").write_text(SLOW_SUMMARY_SWEEP)
+    logs = workdir / "logs"
+    proc = _start_serving_sweep(workdir, logs, sweep=("slow_summary.py",))
+
+    def interrupt_twice() -> None:
+        proc.send_signal(signal.SIGINT)
+        wait_until((workdir / "summarizing").exists, 30, "the sweep to write its summary")
+        proc.send_signal(signal.SIGINT)
+
+    out = _stop(proc, interrupt_twice)
+    assert proc.returncode == 130, out
+    trials = json.loads((logs / "summary.json").read_text())["trials"]
+    assert [t["status"] for t in trials] == ["stopped"]
+    _assert_all_gone(logs, trials)
+
+
 def _stop(proc: subprocess.Popen[str], send: Any) -> str:
     """``send()`` a serving sweep its stop; its output once it exited (killed if not in 40 s)."""
     try:

@@ -31,11 +31,11 @@ class Releases:
     Consumer is collected. Each batch's weak reference calls :meth:`fired` (a bound method:
     cheaper per batch than a partial binding all of these)."""
 
-    __slots__ = ("live", "released", "wakeup", "sleeping", "interrupted")
+    __slots__ = ("live", "released", "wakeup", "sleeping", "interrupted", "stop")
 
     def __init__(self, shared: Shared) -> None:
-        self.live, self.released, self.wakeup, self.sleeping, self.interrupted = (
-            shared.live, shared.released, shared.wakeup, shared.io_sleeping, shared.interrupted
+        self.live, self.released, self.wakeup, self.sleeping, self.interrupted, self.stop = (
+            shared.live, shared.released, shared.wakeup, shared.io_sleeping, shared.interrupted, shared.stop
         )  # fmt: skip
 
     def fired(self, watch: weakref.ref[Any]) -> None:
@@ -45,13 +45,13 @@ class Releases:
         I/O thread's next tick.
 
         Ctrl-C lands in the main thread, often here (a loop's ``batch = ...`` drops the last
-        one), and Python raises it as a call returns; so does what any signal handler raises
-        (a SIGTERM handler's ``sys.exit()``). An exception in a weak reference's callback is
-        only printed, so the user's Ctrl-C would do nothing, and one raised before the release
-        was queued would have lost it (its place held for ever). So the entry is taken and the
-        release queued with no call between them, and an exception finishes the release if it
-        is not queued yet and is noted: the next ``next()``, or ``close()``, raises it
-        (raised here again, it would be dropped again)."""
+        one), and Python raises it as a call returns; so does what another signal's handler
+        raises (a SIGTERM handler's ``sys.exit()``). An exception in a weak reference's
+        callback is only printed, so the user's Ctrl-C would do nothing, and one raised before
+        the release was queued would have lost it (its place held for ever). So the entry is
+        taken and the release queued with no call between them, and an exception finishes the
+        release if it is not queued yet; a stop (see :meth:`rescue`) is noted, and the next
+        ``next()``, or ``close()``, raises it (raised here again, it would be dropped again)."""
         item = done = None  # (not taken while it is in _WATCHING; not yet retired)
         try:
             key = id(watch)
@@ -70,7 +70,8 @@ class Releases:
             if self.sleeping.now and self.sleeping.wants(self.live, self.released):
                 self.wakeup.wake()
         except BaseException as exc:
-            self.rescue(watch, item, done, exc)
+            if not self.rescue(watch, item, done, exc):
+                raise  # (printed, as before; the hook below leaves it alone: ``item`` is set)
 
     def rescue(
         self,
@@ -78,10 +79,13 @@ class Releases:
         item: tuple[Any, ...] | None,
         done: _ReleaseOnce | None,
         exc: BaseException,
-    ) -> None:
+    ) -> bool:
         """Finish the release of ``watch``'s batch that ``exc`` cut short (``item``: its
-        entry, if it was taken; ``done``: what retire() was to call, if it was made), and note
-        ``exc`` for the next ``next()``."""
+        entry, if it was taken; ``done``: what retire() was to call, if it was made). Note
+        ``exc`` for the next ``next()`` if it is a stop (not an ``Exception``: Ctrl-C's
+        KeyboardInterrupt, ``sys.exit()``'s SystemExit) and the consumer is open; say whether
+        it was noted. Anything else is a bug, which Python prints, as it did: raised in the
+        caller's next(), perhaps from another thread's release, it would stop training."""
         entry = _WATCHING.pop(id(watch), None)
         if entry is not None:  # (not taken yet: nothing was done)
             item = entry[1]
@@ -93,7 +97,10 @@ class Releases:
             done.item[6].retire(done.item[1], done)
         if item is not None:
             self.live.discard(item[0])
+        if isinstance(exc, Exception) or self.stop.is_set():
+            return False
         self.interrupted.append(exc)
+        return True
 
     def ready(self, item: tuple[Any, ...]) -> None:
         """The reader says a retired batch's region may be released (in any thread)."""
@@ -122,22 +129,23 @@ class _ReleaseOnce:
 class _Rescuer:
     """``sys.unraisablehook`` once a consumer exists, wrapping the one before. Ctrl-C (or what
     another signal's handler raises) can land at the very start of :meth:`Releases.fired`,
-    before its ``try``: Python then only hands the exception here, and the batch's release was
-    lost (its place held until close; 2 of 36 soak runs). Here the release is finished and the
-    exception noted, as ``fired`` itself does: the next ``next()`` raises it. The batch is
-    known from the traceback's outermost frame, ``fired``'s own (the callback is called from
-    C), which holds its arguments. Anything else goes to the hook before."""
+    before its first line: Python then only hands the exception here, and the batch's release
+    was lost (its place held until close; 2 of 36 soak runs). Here the release is finished and
+    a stop noted, as ``fired`` itself does: the next ``next()`` raises it. The batch is known
+    from the traceback's outermost frame, ``fired``'s own (the callback is called from C),
+    which holds its arguments (and no ``item`` yet: with one, ``fired`` saw it already).
+    Anything else goes to the hook before."""
 
     def __init__(self, previous: Any) -> None:
         self.previous = previous
 
     def __call__(self, unraisable: Any) -> None:
         tb = unraisable.exc_traceback
-        if tb is not None and tb.tb_frame.f_code is _FIRED:
+        if tb is not None and tb.tb_frame.f_code is _FIRED and "item" not in tb.tb_frame.f_locals:
             local = tb.tb_frame.f_locals
-            local["self"].rescue(local["watch"], local.get("item"), local.get("done"), unraisable.exc_value)
-        else:
-            self.previous(unraisable)
+            if local["self"].rescue(local["watch"], None, None, unraisable.exc_value):
+                return
+        self.previous(unraisable)
 
 
 _FIRED = Releases.fired.__code__

@@ -184,8 +184,7 @@ class Consumer:
         except BaseException:
             # Ctrl-C as it waited, say: the thread would go on, join, and stay joined for the
             # process's life, unseen (no Consumer to close), stalling every other consumer
-            if self._io.ident is not None:
-                stop_loop(shared.stop, shared.wakeup, self._io)
+            stop_loop(shared.stop, shared.wakeup, self._io)
             raise
 
     def _joined(self, shared: Shared, settings: Settings, restored: Position | None, joined: Any) -> None:

@@ -243,12 +243,12 @@ class Producer:
         shared, publisher = self._shared, self._publisher
         publisher.closing = True
         try:
-            if not shared.flow.ended:
-                if reason is None:
-                    publisher.end_epoch()  # a no-op unless an epoch is open
-                publisher.end_stream(reason)
-            deadline = time.monotonic() + self.linger
-            publisher.wait(publisher.all_left, deadline, "consumers to finish")
+            if not shared.stop.is_set():  # (set: a close() cut short as it freed; only that is left)
+                if not shared.flow.ended:
+                    if reason is None:
+                        publisher.end_epoch()  # a no-op unless an epoch is open
+                    publisher.end_stream(reason)
+                publisher.wait(publisher.all_left, time.monotonic() + self.linger, "consumers to finish")
         except TimeoutError:
             log.warning(
                 "closing %s with %d consumer(s) not finished after linger=%g s; they get ProducerLost",

@@ -181,11 +181,13 @@ class Fleet:
             self._closed = True  # (after: a close() cut short in the clean-up is done again by the next)
 
     def _stop(self) -> None:
-        """Ask every node's actor to end its stream and wait (boundedly) for their records."""
+        """Ask every node's actor to end its stream and wait (boundedly) for their records
+        (those without one yet: a close() cut short in its clean-up has them already)."""
         import ray
 
-        stops = {self._actors[node].stop.remote(): node for node in self.nodes}
-        ray.wait(list(stops), num_returns=len(stops), timeout=self.linger + _STOP_S)
+        stops = {self._actors[node].stop.remote(): node for node in self.nodes if node not in self.final}
+        if stops:
+            ray.wait(list(stops), num_returns=len(stops), timeout=self.linger + _STOP_S)
         for ref, node in stops.items():
             try:
                 record = ray.get(ref, timeout=0)

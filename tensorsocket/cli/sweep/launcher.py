@@ -84,11 +84,13 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
 
+    finishing = [False]  # the waves are over and the summary is written (set with no call)
+
     def on_signal(signum: int, frame: Any) -> None:
         if signum == signal.SIGHUP:  # the terminal is gone: writing to it would fail the clean-up
             detach_output()
-        if handling(_Interrupted, KeyboardInterrupt):
-            return  # the trials and the producer are being stopped: a second Ctrl-C must not cut that short
+        if finishing[0] or handling(_Interrupted, KeyboardInterrupt):
+            return  # the trials and the producer are stopped, or the summary written: not cut short
         # Else this is the first, or the first's exception was swallowed where it landed (a
         # __del__, say): raised again, as ignoring it would leave the sweep unstoppable.
         raise _Interrupted(signum)
@@ -100,19 +102,28 @@ def run(args: argparse.Namespace) -> int:
     code = EXIT_OK
     error: str | None = None
     try:
-        for number, wave in enumerate(waves, start=1):
-            run_wave(args, name, wave, number, len(waves), logs, display)
-    except (_Interrupted, KeyboardInterrupt) as exc:
-        signum = exc.signum if isinstance(exc, _Interrupted) else signal.SIGINT
-        display.event(f"{signal.Signals(signum).name}: stopping the trainers and the producer")
-        terminate(trials)
-        code = 128 + signum if signum != signal.SIGINT else EXIT_INTERRUPTED
-    except (SweepError, PipelineError) as exc:
-        error = str(exc)
-        code = EXIT_USAGE
+        try:
+            for number, wave in enumerate(waves, start=1):
+                run_wave(args, name, wave, number, len(waves), logs, display)
+        except (_Interrupted, KeyboardInterrupt) as exc:
+            signum = exc.signum if isinstance(exc, _Interrupted) else signal.SIGINT
+            display.event(f"{signal.Signals(signum).name}: stopping the trainers and the producer")
+            terminate(trials)
+            code = 128 + signum if signum != signal.SIGINT else EXIT_INTERRUPTED
+        except (SweepError, PipelineError) as exc:
+            error = str(exc)
+            code = EXIT_USAGE
+        finishing[0] = True
+        return _report(trials, logs, meta, display, code, error)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _report(
+    trials: list[Trial], logs: Path, meta: dict[str, Any], display: Display, code: int, error: str | None
+) -> int:
+    """Write the summary and print the table; the exit code."""
     for t in trials:
         if t.status == "waiting":
             t.status = "not run"
