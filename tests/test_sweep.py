@@ -499,11 +499,13 @@ def _trainer_pid(log: Path) -> int:
 
 def test_sighup_stops_trainers_and_producer_like_sigterm(workdir: Path) -> None:
     """A closed terminal (SIGHUP) stops the sweep in order, as SIGTERM does: the trainers, in
-    sessions of their own, get no SIGHUP and would otherwise outlive it."""
+    sessions of their own, get no SIGHUP and would otherwise outlive it. Output that goes to
+    a pipe or a file, not the terminal, keeps the summary table (it went to /dev/null too)."""
     logs = workdir / "logs"
     proc = _start_serving_sweep(workdir, logs)
     out = _stop(proc, lambda: proc.send_signal(signal.SIGHUP))
     assert proc.returncode == 128 + signal.SIGHUP, out
+    assert "SIGHUP: stopping the trainers" in out and "summary.json and summary.csv in" in out, out
     trials = json.loads((logs / "summary.json").read_text())["trials"]
     assert [t["status"] for t in trials] == ["stopped"]
     _assert_all_gone(logs, trials)

@@ -10,6 +10,7 @@ import argparse
 import math
 import os
 import re
+import stat
 import sys
 
 from .. import endpoint as endpoints
@@ -28,12 +29,15 @@ def error(message: str) -> None:
 
 
 def detach_output() -> None:
-    """Point stdout and stderr at /dev/null (after SIGHUP: a closed terminal fails writes with
-    EIO, which would stop the clean-up before it is done)."""
+    """Point stdout and stderr at /dev/null where they are a terminal (after SIGHUP: a closed
+    terminal fails writes with EIO, which would stop the clean-up before it is done); a file
+    or a pipe keeps what is written. A terminal is a character device: once hung up it is no
+    longer ``isatty()`` (its ioctls fail), so that is not what is asked."""
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         for stream in (sys.stdout, sys.stderr):
-            os.dup2(devnull, stream.fileno())
+            if stat.S_ISCHR(os.fstat(stream.fileno()).st_mode):
+                os.dup2(devnull, stream.fileno())
         os.close(devnull)
     except (OSError, ValueError):
         pass

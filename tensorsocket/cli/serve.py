@@ -272,7 +272,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if cleaning.is_set() or handling(KeyboardInterrupt):
             log.warning("already stopping; waiting up to %g s for consumers to take the end", args.linger)
             return
-        if signum == signal.SIGHUP and sys.stderr.isatty():  # its terminal is gone: writes fail
+        if signum == signal.SIGHUP:  # its terminal is gone: writes to it fail
             detach_output()
         name = signal.Signals(signum).name
         if asked.is_set():
