@@ -48,7 +48,7 @@ class Wakeup:
         self._finalizer()  # closes the pipe once
 
 
-def stop_loop(stop: threading.Event, wakeup: Wakeup, thread: threading.Thread) -> None:
+def stop_loop(stop: threading.Event, wakeup: Wakeup, thread: threading.Thread, timeout: float = 2.0) -> None:
     """Stop a poll loop thread: set its stop event, wake it, and join it (never from itself).
     Also run at interpreter exit, so zmq is not torn down under a daemon thread still using a
     socket (that aborts the process)."""
@@ -56,4 +56,4 @@ def stop_loop(stop: threading.Event, wakeup: Wakeup, thread: threading.Thread) -
     wakeup.wake()
     # (a thread not started yet, its start() cut short by Ctrl-C, stops as it begins)
     if thread is not threading.current_thread() and thread.ident is not None:
-        thread.join(timeout=2.0)
+        thread.join(timeout=timeout)

@@ -316,9 +316,7 @@ class Consumer:
     def _leave(self) -> None:
         """Stop the I/O thread (it says BYE), drop what it queued, close the reader."""
         shared = self._shared
-        shared.stop.set()
-        shared.wakeup.wake()
-        self._io.join(timeout=5.0)
+        stop_loop(shared.stop, shared.wakeup, self._io, timeout=5.0)
         while True:  # drop queued batches; their finalizers fire and are ignored now
             try:
                 shared.queue.get_nowait()

@@ -267,10 +267,7 @@ class Producer:
         """Stop the I/O thread, free the places and give up the name: at close(), or when
         the constructor fails once the name is bound. Done again whole if cut short."""
         shared = self._shared
-        shared.stop.set()
-        shared.wakeup.wake()
-        if self._io.thread.ident is not None:  # (started)
-            self._io.thread.join(timeout=5.0)
+        stop_loop(shared.stop, shared.wakeup, self._io.thread, timeout=5.0)
         with shared.changed:
             shared.store.close()
         shared.wakeup.close()
