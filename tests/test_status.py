@@ -211,14 +211,18 @@ def test_a_wait_for_a_place_ending_while_the_status_is_taken_is_no_error(monkeyp
 
 def test_a_sweeps_trial_is_known_by_its_name(name, monkeypatch):
     """`tensorsocket sweep` sets TENSORSOCKET_TRIAL: without a label, that is the consumer's
-    (status and the producer's log showed "pid N" for every trial); a label given wins."""
-    producer = Producer(NestedLoader(4), name=name, slots=4, replay=0, min_consumers=2)
+    (status and the producer's log showed "pid N" for every trial); a label given wins.
+
+    More batches than slots: a stream that fits the slots can end before status() is asked,
+    and a consumer whose I/O thread has read the end leaves the producer at once (35 of ~1,900
+    runs under load, before)."""
+    producer = Producer(NestedLoader(8), name=name, slots=4, replay=0, min_consumers=2)
     monkeypatch.setenv("TENSORSOCKET_TRIAL", "lr-0.1")
     with serving(producer, 1), Consumer(name=name, timeout=10) as trial:
         with Consumer(name=name, timeout=10, label="mine") as labelled:
             labels = sorted(c["label"] for c in producer.status()["consumers"])
             assert trial.label == "lr-0.1" and labels == ["lr-0.1", "mine"]
-            assert sum(1 for _ in zip(trial, labelled, strict=True)) == 4
+            assert sum(1 for _ in zip(trial, labelled, strict=True)) == 8
 
 
 def test_check_names_missing_keys() -> None:
