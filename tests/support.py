@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -119,6 +120,32 @@ class NestedLoader:
                 time.sleep(self.delay)
             self.pulled += 1
             yield expected_batch(i, self.batches, self.batch_size, self.seed)
+
+
+class HeldFirstEpoch:
+    """A re-iterable loader whose first epoch stops before batch ``at`` until :meth:`go`: a
+    test's late joiner then joins mid-epoch however slow the machine, where a paced loader
+    left it a fraction of a second before the epoch ended (and it started the next one)."""
+
+    def __init__(self, loader: Any, at: int) -> None:
+        self.loader, self.at = loader, at
+        self.gate = threading.Event()
+        self.epochs = 0
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def go(self) -> None:
+        self.gate.set()
+
+    def __iter__(self) -> Any:
+        first, self.epochs = self.epochs == 0, self.epochs + 1
+        batches = iter(self.loader)
+        if first:
+            yield from itertools.islice(batches, self.at)
+            if not self.gate.wait(60):
+                raise TimeoutError(f"the test did not let the loader past batch {self.at} within 60 s")
+        yield from batches
 
 
 def same(a: Any, b: Any) -> bool:
@@ -236,12 +263,17 @@ def join_or_fail(thread: Any, timeout: float = 30.0) -> None:
 
 
 def run_consumer_and_die(
-    name: str, batches: int, results: Any, kill_after: int, options: dict[str, Any] | None = None
+    name: str,
+    batches: int,
+    results: Any,
+    kill_after: int,
+    go: Any = None,
+    options: dict[str, Any] | None = None,
 ) -> None:
     """Consumer process body: take ``kill_after`` batches of epoch 0, keep every one of them
-    alive, report ``{"pid", "killed_at", "held", "bad"}`` and SIGKILL itself while holding
-    them. The report is flushed before the kill (a plain ``Queue.put`` is sent by a feeder
-    thread that the kill could beat)."""
+    alive, wait for ``go`` (if given: the test saw them held), report ``{"pid", "killed_at",
+    "held", "bad"}`` and SIGKILL itself while holding them. The report is flushed before the
+    kill (a plain ``Queue.put`` is sent by a feeder thread that the kill could beat)."""
     from tensorsocket import Consumer
 
     consumer = Consumer(name=name, **(options or {}))
@@ -252,6 +284,8 @@ def run_consumer_and_die(
         held.append(batch)
         if len(held) == kill_after:
             break
+    if go is not None and not go.wait(60):
+        raise TimeoutError("the test never said go")
     results.put({"pid": os.getpid(), "killed_at": time.time(), "held": len(held), "bad": bad})
     results.close()
     results.join_thread()

@@ -198,7 +198,7 @@ def test_the_stand_ins_free_memory_is_dev_shms_and_an_allocation_takes_from_it(f
 
 
 def test_a_copy_lands_only_when_its_event_fires(fake, monkeypatch):
-    monkeypatch.setenv("TENSORSOCKET_FAKE_CUDA_DELAY", "0.3")
+    monkeypatch.setenv("TENSORSOCKET_FAKE_CUDA_DELAY", "1.0")  # (long enough that the reads below come first)
     stream = fake.new_stream(0)
     a = fake.alloc(MiB, 0)
     src = torch.full((4096,), 5, dtype=torch.uint8)
@@ -210,7 +210,7 @@ def test_a_copy_lands_only_when_its_event_fires(fake, monkeypatch):
     assert not event.query()
     assert int(a.tensor[:4096].sum()) == 0  # read before the event: old bytes
     event.synchronize()
-    assert time.monotonic() - start >= 0.25 and event.query()
+    assert time.monotonic() - start >= 0.95 and event.query()
     assert int(a.tensor[:4096].sum()) == 5 * 4096
     with pytest.raises(RuntimeError, match="cannot copy"):
         fake.copy(a.tensor[:8], [(0, src)], stream)
@@ -278,7 +278,8 @@ def test_samples_read_the_fingerprints_bytes_after_the_streams_work(fake, monkey
 
 @pytest.mark.parametrize("ordered", [True, False], ids=["wait_stream", "no-ordering"])
 def test_wait_stream_orders_one_stream_after_another(fake, monkeypatch, ordered):
-    monkeypatch.setenv("TENSORSOCKET_FAKE_CUDA_DELAY", "0.3")
+    # (no-ordering: long enough that the read comes before the copy lands)
+    monkeypatch.setenv("TENSORSOCKET_FAKE_CUDA_DELAY", "1.0")
     producer = fake.new_stream(0)
     monkeypatch.setenv("TENSORSOCKET_FAKE_CUDA_DELAY", "0")
     consumer = fake.new_stream(0)

@@ -103,24 +103,29 @@ def test_sigkilled_consumer_holding_slots_is_evicted_and_survivors_stay_exact(na
     results, doomed = SPAWN.Queue(), SPAWN.Queue()
     survivors = [SPAWN.Process(target=run_consumer, args=(name, EPOCHS, batches, results)) for _ in range(2)]
     # It keeps all 3 batches it took alive: with 3 slots nobody can progress until it is evicted.
-    victim = SPAWN.Process(target=run_consumer_and_die, args=(name, batches, doomed, kill_after))
+    go = SPAWN.Event()  # (it dies once the producer shows it holding them all)
+    victim = SPAWN.Process(target=run_consumer_and_die, args=(name, batches, doomed, kill_after, go))
     producer = Producer(NestedLoader(batches), name=name, slots=3, replay=0, min_consumers=3)
     with reaped(victim, *survivors), serving(producer, EPOCHS) as (server, errors):
-        seen_present, max_held, gone_at = False, 0, None
-        deadline = time.monotonic() + 60
-        while gone_at is None and time.monotonic() < deadline and server.is_alive():
+
+        def held() -> int | None:
             assert all(p.exitcode in (None, 0) for p in survivors), "a survivor failed (see its stderr)"
             entries = [c for c in producer.status()["consumers"] if c["pid"] == victim.pid]
-            if entries:
-                seen_present = True
-                max_held = max(max_held, entries[0]["held"])
-            elif seen_present:
+            return entries[0]["held"] if entries else None
+
+        wait_until(
+            lambda: held() == kill_after, 60, f"the victim to hold {kill_after} batches at the producer"
+        )
+        go.set()
+        gone_at = None
+        deadline = time.monotonic() + 60
+        while gone_at is None and time.monotonic() < deadline and server.is_alive():
+            if held() is None:
                 gone_at = time.time()
             time.sleep(0.005)
         death = doomed.get(timeout=30)
-        assert seen_present and gone_at is not None, "the killed consumer was never evicted"
+        assert gone_at is not None, "the killed consumer was never evicted"
         assert death["pid"] == victim.pid and death["held"] == kill_after and death["bad"] == []
-        assert max_held >= kill_after - 1, f"the victim held only {max_held} batches at the producer"
         delay = gone_at - death["killed_at"]
         assert delay < 2.0, f"evicted {delay:.2f} s after its SIGKILL"
         reports = [results.get(timeout=60) for _ in survivors]

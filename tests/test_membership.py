@@ -19,6 +19,7 @@ from tensorsocket import Consumer, Producer
 from tensorsocket.errors import Evicted
 from tests.support import (
     SPAWN,
+    HeldFirstEpoch,
     NestedLoader,
     join_or_fail,
     serving,
@@ -111,7 +112,8 @@ def assert_whole_epochs(reports: list[dict[str, Any]], epochs: int, batches: int
 def test_joiner_inside_the_replay_window_sees_the_whole_epoch_in_its_own_process(name):
     """Leader and joiner are real processes that check every batch bit for bit by index."""
     batches, epochs = 12, 2
-    producer = Producer(NestedLoader(batches, delay=0.1), name=name, slots=2)
+    loader = HeldFirstEpoch(NestedLoader(batches, delay=0.1), at=6)
+    producer = Producer(loader, name=name, slots=2)
     go = SPAWN.Event()
     joiners, joined = start_consumers(name, 1, epochs, batches, go=go)  # started, not yet joined
     with serving(producer, epochs) as (server, errors):
@@ -120,6 +122,7 @@ def test_joiner_inside_the_replay_window_sees_the_whole_epoch_in_its_own_process
         go.set()
         wait_until(lambda: len(producer.status()["consumers"]) == 2, 30, "the joiner")
         assert producer.status()["epoch"] == 0, "the epoch ended before the joiner could join"
+        loader.go()
         # Batches 0-1 left the two places before it joined: kept, they are written there again.
         wait_until(lambda: producer.status()["restaged"] >= 2, 30, "the joiner's first batches re-staged")
         status = producer.status()
@@ -135,13 +138,16 @@ def test_a_joiner_and_a_leader_each_holding_their_last_batch_do_not_wait_for_eve
     no place. With both places held nothing ever moved again (every consumer waited, heartbeats
     kept them all connected): the producer now adds a place once the joiner has waited a while."""
     batches, epochs = 12, 2
-    producer = Producer(NestedLoader(batches, delay=0.05), name=name, slots=2)
+    loader = HeldFirstEpoch(NestedLoader(batches, delay=0.05), at=6)
+    producer = Producer(loader, name=name, slots=2)
     go = SPAWN.Event()
     joiners, joined = start_consumers(name, 1, epochs, batches, go=go, hold=1)
     with caplog.at_level(logging.INFO, logger="tensorsocket"), serving(producer, epochs) as (server, errors):
         leaders, results = start_consumers(name, 1, epochs, batches, hold=1)
         wait_until(lambda: producer.status()["next_seq"] >= 5, 30, "batches 0-2 to leave their places")
         go.set()
+        wait_until(lambda: len(producer.status()["consumers"]) == 2, 30, "the joiner")
+        loader.go()
         reports = [results.get(timeout=60), joined.get(timeout=60)]
         finish(leaders + joiners, server, errors)
     assert_whole_epochs(reports, epochs, batches)
@@ -168,16 +174,19 @@ class ReusedBuffers:
             yield buffer
 
 
-def _leader_then_joiner(
-    name: str, producer: Producer, epochs: int
-) -> tuple[Reader, Reader, list[BaseException]]:
-    """A leader from the start, a joiner once batches 0-2 left their two places."""
+def _leader_then_joiner(name: str, loader: Any, epochs: int) -> tuple[Reader, Reader, list[BaseException]]:
+    """A leader from the start, a joiner once batches 0-2 left their two places (the loader
+    held until it joined, inside the first epoch)."""
+    held = HeldFirstEpoch(loader, at=6)
+    producer = Producer(held, name=name, slots=2)
     with serving(producer, epochs) as (server, errors):
         leader = Reader(name, label="leader")
         leader.start()
         wait_until(lambda: producer.status()["next_seq"] >= 5, 30, "batches 0-2 to leave their places")
         joiner = Reader(name, label="joiner")
         joiner.start()
+        wait_until(lambda: len(producer.status()["consumers"]) == 2, 30, "the joiner")
+        held.go()
         join_or_fail(leader)
         join_or_fail(joiner)
         join_or_fail(server)
@@ -189,9 +198,7 @@ def test_a_loader_that_reuses_its_buffer_is_replayed_exactly_from_copies(name, c
     of its place, and every later batch is kept as a copy."""
     batches, epochs = 20, 2
     with caplog.at_level(logging.WARNING, logger="tensorsocket"):
-        leader, joiner, errors = _leader_then_joiner(
-            name, Producer(ReusedBuffers(batches), name=name, slots=2), epochs
-        )
+        leader, joiner, errors = _leader_then_joiner(name, ReusedBuffers(batches), epochs)
     assert errors == [] and leader.error is None and joiner.error is None
     full = list(range(batches))
     assert leader.epochs_seen == [full] * epochs
@@ -203,9 +210,7 @@ def test_a_kept_batch_that_changed_unnoticed_is_not_sent_its_joiner_is_evicted_s
     """Two buffers in turn: each batch changes two batches later, after the check. The
     joiner's replay finds it at re-stage: the joiner is evicted with why, never sent other
     bytes under that batch's number, and the others go on."""
-    leader, joiner, errors = _leader_then_joiner(
-        name, Producer(ReusedBuffers(20, ring=2), name=name, slots=2), 1
-    )
+    leader, joiner, errors = _leader_then_joiner(name, ReusedBuffers(20, ring=2), 1)
     assert joiner.epochs_seen == []  # (a batch with other bytes would fail Reader's check, too)
     assert isinstance(joiner.error, Evicted) and "changed after it was published" in str(joiner.error)
     assert errors == [] and leader.error is None and leader.epochs_seen == [list(range(20))]
@@ -216,7 +221,7 @@ def test_small_batches_are_kept_as_copies_so_a_reused_buffer_does_not_matter(nam
     turn (which a kept batch by reference would not survive, see above) replay exactly."""
     with caplog.at_level(logging.WARNING, logger="tensorsocket"):
         loader = ReusedBuffers(20, ring=2, columns=3)
-        leader, joiner, errors = _leader_then_joiner(name, Producer(loader, name=name, slots=2), 1)
+        leader, joiner, errors = _leader_then_joiner(name, loader, 1)
     assert errors == [] and leader.error is None and joiner.error is None
     assert leader.epochs_seen == joiner.epochs_seen == [list(range(20))]
     assert "changed after it was published" not in caplog.text
@@ -225,13 +230,16 @@ def test_small_batches_are_kept_as_copies_so_a_reused_buffer_does_not_matter(nam
 @pytest.mark.parametrize("policy", ["replay", "next_epoch", "now"])
 def test_joiner_outside_the_replay_window_follows_its_policy(name, policy, caplog):
     batches, epochs = 10, 3
-    producer = Producer(numbered(batches), name=name, slots=2, replay=0)  # keeps only 2 batches
+    loader = HeldFirstEpoch(numbered(batches), at=6)  # (until the joiner joined: mid-epoch 0)
+    producer = Producer(loader, name=name, slots=2, replay=0)  # keeps only 2 batches
     with serving(producer, epochs) as (server, errors):
         leader = Reader(name, step=0.03, label="leader")
         leader.start()
         wait_until(lambda: producer.status()["next_seq"] >= 5, 30, "batch 0 to be overwritten")
         joiner = Reader(name, late_join=policy, label="joiner")
         joiner.start()
+        wait_until(lambda: len(producer.status()["consumers"]) == 2, 30, "the joiner")
+        loader.go()
         join_or_fail(leader)
         join_or_fail(joiner)
         join_or_fail(server)
@@ -270,13 +278,18 @@ def test_skip_keeps_the_fast_consumer_going_and_counts_what_the_slow_one_missed(
     with serving(producer, epochs) as (server, errors):
         fast = Reader(name, label="fast", prefetch=2)
         slow = Reader(name, step=slow_step, label="slow", prefetch=1)
-        producer_status_skipped = []
         fast.start()
         slow.start()
+
+        def skipped_by_slow() -> list[int]:  # (while it is there: it leaves once it read the end)
+            return [
+                c["skipped"] for c in producer.status()["consumers"] if c["label"] == "slow" and c["skipped"]
+            ]
+
+        producer_status_skipped = wait_until(
+            skipped_by_slow, 30, "the producer to skip batches for the slow one"
+        )
         join_or_fail(fast)
-        producer_status_skipped = [
-            c["skipped"] for c in producer.status()["consumers"] if c["label"] == "slow"
-        ]
         join_or_fail(slow)
         join_or_fail(server)
     assert errors == [] and fast.error is None and slow.error is None
@@ -323,7 +336,7 @@ def test_a_consumer_that_never_iterates(name, stragglers):
 def test_a_long_training_step_never_gets_a_consumer_evicted(name):
     producer = Producer(numbered(3), name=name, slots=1, replay=0)
     with serving(producer, 1) as (server, errors):
-        reader = Reader(name, step=1.5, timeout=0.3)  # each step: five silence timeouts
+        reader = Reader(name, step=1.5, timeout=1.0)  # each step longer than its silence timeout
         reader.start()
         join_or_fail(reader)
         join_or_fail(server)

@@ -278,13 +278,16 @@ def test_gpu_memory_is_none_on_the_cpu_stand_in(monkeypatch: pytest.MonkeyPatch)
         with Consumer(name=name, device="cuda:0", timeout=10.0, label="fake") as c:
             with serving(p, epochs=1) as (_, errors):
                 batches = iter(c)
-                next(batches)  # joined and reading: the stream has not ended
+                # Held, with the other batch published: the last one waits for a place, so the
+                # stream cannot end (and the consumer leave at its end) before status() is read.
+                first = next(batches)
                 status = p.status()
                 assert status["transport"] == "cuda" and status["device"] == "cuda:0"
                 assert status["gpu_mib"] is None
                 (record,) = status["consumers"]
                 assert set(record) == keys(ConsumerStatus) and record["gpu_mib"] is None
                 assert "GPU memory of the producer" not in format_status(status, gpu=([], {}))
+                del first
                 assert sum(1 for _ in batches) == 2
             assert errors == []
 
