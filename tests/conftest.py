@@ -1,7 +1,9 @@
 import logging
 import os
+import signal
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -62,6 +64,21 @@ def _threads() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if not t.daemon and t.is_alive()}
 
 
+# Every signal but SIGCHLD, whose handler torch's DataLoader sets once in a process, for good.
+_SIGNALS = sorted(set(signal.valid_signals()) - {signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD})
+
+
+def _handlers() -> dict[int, Any]:
+    return {sig: signal.getsignal(sig) for sig in _SIGNALS}
+
+
+def _signal_name(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:  # a real-time signal past SIGRTMIN
+        return f"signal {sig}"
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     report = yield
@@ -81,7 +98,10 @@ def _no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
       <pid>-*``) that was not there before it: an unclosed producer or store;
     * a non-daemon thread that it started and that is still alive: it would hang the exit;
     * a socket (``socket:[inode]`` in /proc/self/fd) that it opened and did not close: an
-      unclosed producer, consumer or zmq socket.
+      unclosed producer, consumer or zmq socket;
+    * a signal handler other than the one it found (put back, then reported): a CLI run in
+      the process that did not give back its handlers. Later tests in that worker would see
+      Ctrl-C differently (``_thread.interrupt_main`` does nothing under SIG_DFL or SIG_IGN).
 
     Each may take up to ``HYGIENE_GRACE`` seconds to go. What is not counted, because it stays
     by design: zmq's global context (``zmq.Context.instance()``, shared by every producer and
@@ -93,6 +113,7 @@ def _no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
     segments = set(shm_segments(os.getpid()))
     threads = _threads()
     sockets = _socket_inodes()
+    handlers = _handlers()
     yield
     if request.node.stash.get(_CALL_FAILED, False):
         return
@@ -102,6 +123,7 @@ def _no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
             "shared-memory segments": sorted(set(shm_segments(os.getpid())) - segments),
             "non-daemon threads": sorted(t.name for t in _threads() - threads),
             "sockets": sorted(_socket_inodes() - sockets),
+            "signal handlers": [_signal_name(sig) for sig, h in _handlers().items() if h != handlers[sig]],
         }
 
     try:
@@ -110,9 +132,14 @@ def _no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
     except AssertionError:
         pass
     left = {kind: names for kind, names in leftovers().items() if names}
+    for sig, handler in handlers.items():
+        if handler is not None and signal.getsignal(sig) != handler:
+            signal.signal(sig, handler)
     if left:  # else they went just after the deadline
         pytest.fail(
-            f"the test left behind {left} (close every producer, consumer and store it makes)", pytrace=False
+            f"the test left behind {left} (close every producer, consumer and store it makes, and give "
+            "back the signal handlers it sets)",
+            pytrace=False,
         )
 
 

@@ -1,6 +1,7 @@
 """The suite's leak check (tests/conftest.py ``_no_leaks``) fails a test that leaves a
-segment, a non-daemon thread or a socket behind, and passes one that cleans up: run on a
-file of such tests in a pytest of its own, with the conftest as its plugin."""
+segment, a non-daemon thread, a socket or a signal handler behind, and passes one that
+cleans up: run on a file of such tests in a pytest of its own, with the conftest as its
+plugin."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 LEAKY = textwrap.dedent(
     """
+    import signal
     import socket
     import threading
 
@@ -44,6 +46,14 @@ LEAKY = textwrap.dedent(
 
     def test_leaves_a_plain_socket():
         kept.append(socket.socket())
+
+
+    def test_leaves_a_signal_handler():
+        signal.signal(signal.SIGUSR2, lambda *_: None)
+
+
+    def test_finds_the_signal_handler_put_back():
+        assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL
 
 
     def test_cleans_up():
@@ -79,12 +89,13 @@ def test_the_leak_check_fails_exactly_the_tests_that_leak(tmp_path):
         timeout=120,
     )  # fmt: skip
     out = run.stdout + run.stderr
-    assert "6 passed, 4 errors" in out, out
+    assert "8 passed, 5 errors" in out, out
     for test, leak in [
         ("test_leaves_a_segment", "shared-memory segments"),
         ("test_leaves_a_thread", "leaked-thread"),
         ("test_leaves_a_zmq_socket", "sockets"),
         ("test_leaves_a_plain_socket", "sockets"),
+        ("test_leaves_a_signal_handler", "SIGUSR2"),
     ]:
         line = next(
             (x for x in out.splitlines() if x.startswith("ERROR") and f"test_leaky.py::{test} " in x), ""
