@@ -203,3 +203,61 @@ def test_a_dead_consumers_pending_done_event_never_fires():
             p.kill()
             p.join(30)
     assert not moved_on, "the stream moved on: the driver now completes a dead process's events"
+
+
+def _reader_past_the_free(handle: bytes, size: int, conn: Any) -> None:
+    """Open the arena, say so, then read it each time the producer says it did something."""
+    from tensorsocket.transport.cuda_ipc import open_arena
+
+    try:
+        arena = open_arena(handle, size, 0).view(torch.int32)
+        conn.send("opened")
+        while conn.recv() != "done":
+            conn.send(int(arena.sum(dtype=torch.int64).item()))
+    except Exception as exc:
+        conn.send(f"{type(exc).__name__}: {exc}")
+
+
+def test_a_mapping_keeps_its_bytes_after_the_exporter_freed_the_arena():
+    """What the cuda transport relies on, asked of the device: the producer frees a place's
+    arena (a place that grew; every place at close) while consumers may still have it mapped,
+    at the end of a stream even with batches they read ahead in hand. NVIDIA's documentation
+    of cuIpcOpenMemHandle calls a free of an exported region before every importer closed its
+    handle undefined behaviour. This checks that, on this device and driver, the importer
+    still reads the old bytes after the free, and after new allocations of the same size
+    (written with other bytes) were made where the old one might be reused."""
+    from tensorsocket.transport.cuda_ipc import DeviceArena
+
+    arena = DeviceArena(SLOT_BYTES, 0)
+    arena.tensor.view(torch.int32).fill_(1)
+    torch.cuda.synchronize()
+    expected = arena.size // 4
+    mine, theirs = SPAWN.Pipe()
+    child = SPAWN.Process(target=_reader_past_the_free, args=(arena.handle, arena.size, theirs))
+    child.start()
+    others: list[Any] = []
+
+    def read() -> Any:
+        mine.send("read")
+        assert mine.poll(60), "the reader did not answer within 60 s"
+        return mine.recv()
+
+    try:
+        assert mine.poll(120) and mine.recv() == "opened"
+        assert read() == expected  # before the free
+        arena.free()
+        torch.cuda.synchronize()
+        assert read() == expected  # after it
+        for _ in range(8):
+            other = DeviceArena(SLOT_BYTES, 0)
+            other.tensor.view(torch.int32).fill_(-1)
+            others.append(other)
+        torch.cuda.synchronize()
+        assert read() == expected  # after allocations that could have reused its memory
+        mine.send("done")
+    finally:
+        child.join(30)
+        if child.is_alive():
+            child.kill()
+        for other in others:
+            other.free()

@@ -162,7 +162,7 @@ class CudaStore(Store):
         current = self._arenas.pop(place, None)
         if current is not None:
             self.bytes -= current.size
-            current.free()  # consumers still mapping it keep it alive until they close it
+            current.free()  # (consumers may still map it: see DeviceArena.free)
         self._arenas[place] = allocation
         self.bytes += allocation.size
         descriptors = [self._descriptor(place, allocation)]

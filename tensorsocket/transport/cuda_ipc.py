@@ -65,8 +65,11 @@ class DeviceArena:
         self._lock = threading.Lock()
 
     def free(self) -> None:
-        """Free the memory. Consumers that still map it keep it alive (the driver frees it
-        when the last mapping closes), so this is safe while they hold views."""
+        """Free the memory, which consumers may still map (a place that grew; at the end of
+        a stream, with batches they read ahead). NVIDIA's cuIpcOpenMemHandle documentation
+        calls a free before every importer closed its handle undefined; the driver is
+        reported to keep the memory until the last importer closes it (ai-dynamo/nixl#1066,
+        openucx/ucx#11753), and ``tests/test_cuda_ipc.py`` checks that on the device."""
         with self._lock:
             if self.ptr:
                 self.tensor = None  # type: ignore[assignment]

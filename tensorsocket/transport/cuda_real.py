@@ -45,7 +45,7 @@ class RealAllocation:
 
     def free(self) -> None:
         """``cudaFree`` (which waits for the device). The producer's own views must be gone;
-        consumers' mappings keep the memory valid until they close."""
+        consumers may still map it (see :meth:`.cuda_ipc.DeviceArena.free`)."""
         self.tensor = None  # type: ignore[assignment]
         self._arena.free()
 
