@@ -123,9 +123,10 @@ class NestedLoader:
 
 
 class HeldFirstEpoch:
-    """A re-iterable loader whose first epoch stops before batch ``at`` until :meth:`go`: a
-    test's late joiner then joins mid-epoch however slow the machine, where a paced loader
-    left it a fraction of a second before the epoch ended (and it started the next one)."""
+    """A re-iterable loader whose first epoch stops before batch ``at`` until
+    :meth:`go_once_joined`: a test's late joiner then joins mid-epoch however slow the
+    machine, where a paced loader left it a fraction of a second before the epoch ended (and
+    it started the next one)."""
 
     def __init__(self, loader: Any, at: int) -> None:
         self.loader, self.at = loader, at
@@ -135,7 +136,9 @@ class HeldFirstEpoch:
     def __len__(self) -> int:
         return len(self.loader)
 
-    def go(self) -> None:
+    def go_once_joined(self, producer: Any, consumers: int = 2) -> None:
+        """Let the first epoch go on once ``producer`` lists ``consumers`` consumers."""
+        wait_until(lambda: len(producer.status()["consumers"]) == consumers, 30, "the joiner to join")
         self.gate.set()
 
     def __iter__(self) -> Any:

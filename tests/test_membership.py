@@ -122,7 +122,7 @@ def test_joiner_inside_the_replay_window_sees_the_whole_epoch_in_its_own_process
         go.set()
         wait_until(lambda: len(producer.status()["consumers"]) == 2, 30, "the joiner")
         assert producer.status()["epoch"] == 0, "the epoch ended before the joiner could join"
-        loader.go()
+        loader.go_once_joined(producer)
         # Batches 0-1 left the two places before it joined: kept, they are written there again.
         wait_until(lambda: producer.status()["restaged"] >= 2, 30, "the joiner's first batches re-staged")
         status = producer.status()
@@ -146,8 +146,7 @@ def test_a_joiner_and_a_leader_each_holding_their_last_batch_do_not_wait_for_eve
         leaders, results = start_consumers(name, 1, epochs, batches, hold=1)
         wait_until(lambda: producer.status()["next_seq"] >= 5, 30, "batches 0-2 to leave their places")
         go.set()
-        wait_until(lambda: len(producer.status()["consumers"]) == 2, 30, "the joiner")
-        loader.go()
+        loader.go_once_joined(producer)
         reports = [results.get(timeout=60), joined.get(timeout=60)]
         finish(leaders + joiners, server, errors)
     assert_whole_epochs(reports, epochs, batches)
@@ -185,8 +184,7 @@ def _leader_then_joiner(name: str, loader: Any, epochs: int) -> tuple[Reader, Re
         wait_until(lambda: producer.status()["next_seq"] >= 5, 30, "batches 0-2 to leave their places")
         joiner = Reader(name, label="joiner")
         joiner.start()
-        wait_until(lambda: len(producer.status()["consumers"]) == 2, 30, "the joiner")
-        held.go()
+        held.go_once_joined(producer)
         join_or_fail(leader)
         join_or_fail(joiner)
         join_or_fail(server)
@@ -238,8 +236,7 @@ def test_joiner_outside_the_replay_window_follows_its_policy(name, policy, caplo
         wait_until(lambda: producer.status()["next_seq"] >= 5, 30, "batch 0 to be overwritten")
         joiner = Reader(name, late_join=policy, label="joiner")
         joiner.start()
-        wait_until(lambda: len(producer.status()["consumers"]) == 2, 30, "the joiner")
-        loader.go()
+        loader.go_once_joined(producer)
         join_or_fail(leader)
         join_or_fail(joiner)
         join_or_fail(server)
