@@ -554,6 +554,10 @@ def test_evicted_consumer_never_yields_the_batches_it_had_queued(name):
                 assert [same(b, expected_batch(i, batches)) for i, b in enumerate(other)] == [True] * batches
             server.join(timeout=30)
             assert not server.is_alive() and errors == []
+            # It heard EVICTED: its I/O thread reads it at a tick, which a loaded machine can put
+            # after all of the above (a frozen process would catch up before next(): see
+            # test_liveness's SIGSTOP tests; this one's thread never stopped). The CI once ran here first.
+            wait_until(lambda: silent._shared.cut_off is not None, 10, "the silent consumer to read EVICTED")
             # Its queued batches 0-2 sit in slots that now hold batches 3-5.
             with pytest.raises(Evicted):
                 next(iter(silent))
