@@ -108,7 +108,8 @@ def resolve(name: str | None = None, endpoint: str | None = None) -> str:
 
 def beyond_this_machine(endpoint: str) -> bool:
     """A tcp endpoint bound to an address other than loopback (``*``, ``0.0.0.0``, a host's
-    address or name): other hosts may reach it, and nothing authenticates them."""
+    address or name): other hosts may reach it, so it is secured with CURVE keys
+    (:mod:`tensorsocket.keys`)."""
     if not endpoint.startswith("tcp://"):
         return False
     host = endpoint[6:].rpartition(":")[0].strip("[]")

@@ -75,5 +75,10 @@ class StateFileError(TensorSocketError, ValueError):
     loader; the message says which and names the file (remove it to begin a fresh stream)."""
 
 
+class KeysError(TensorSocketError, ValueError):
+    """An endpoint beyond loopback needs CURVE keys (:mod:`tensorsocket.keys`) that are missing
+    or damaged; the message names the file and how to get the folder."""
+
+
 class GpuPathError(TensorSocketError):
     """No way exists to get the producer's GPU batches to this consumer; says why and what to do."""

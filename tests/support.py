@@ -400,3 +400,16 @@ def unshare_pid_works() -> bool:
         ["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True, timeout=30
     )
     return probe.returncode == 0
+
+
+@functools.cache
+def private_network() -> list[str] | None:
+    """The command prefix that runs a command (its arguments follow) in a fresh network
+    namespace with only loopback up (``unshare -n``: root, as on CI), where a server bound to
+    every interface reaches loopback only; None where that is not permitted."""
+    prefix = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh"]
+    try:
+        probe = subprocess.run([*prefix, "true"], capture_output=True, timeout=30)
+    except FileNotFoundError:  # no unshare here
+        return None
+    return prefix if probe.returncode == 0 else None

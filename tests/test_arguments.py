@@ -323,8 +323,9 @@ def test_tcp_random_port_is_reported_and_reachable(endpoint):
     ],
 )  # fmt: skip
 def test_an_endpoint_other_hosts_may_reach_is_told_apart(endpoint, beyond):
-    """What the producer warns of at its start (nothing authenticates a consumer). A test that
-    bound one would listen beyond this machine, so the rule is tested on its own."""
+    """Which endpoints the producer secures with CURVE keys, and a client connects to with
+    them. A test that bound one would listen beyond this machine (tests/test_keys.py binds one in
+    a private network namespace), so the rule is tested on its own."""
     assert beyond_this_machine(endpoint) is beyond
 
 

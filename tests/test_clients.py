@@ -8,7 +8,6 @@ take pytest down."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -18,7 +17,7 @@ import pytest
 import torch
 
 from tensorsocket import Producer
-from tests.support import SPAWN, permissions
+from tests.support import SPAWN, free_port, permissions, private_network
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BATCHES = 6
@@ -130,22 +129,6 @@ os._exit(0)
 """
 
 
-def _own_network_namespace_works() -> bool:
-    """``unshare -n`` (root, as on CI): a fresh network namespace with only loopback in it.
-    The producer's ipc:// socket is a file, so it is reachable from there."""
-    try:
-        probe = subprocess.run(["unshare", "-n", "sh", "-c", "ip link set lo up"], capture_output=True)
-    except FileNotFoundError:  # no unshare here
-        return False
-    return probe.returncode == 0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_torchrun_ddp_job_trains_over_read_only_shared_batches(name, tmp_path):
     epochs, ranks = 2, 2
     script = tmp_path / "rank.py"
@@ -154,10 +137,10 @@ def test_a_torchrun_ddp_job_trains_over_read_only_shared_batches(name, tmp_path)
     env = os.environ | {"GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     command = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--master_addr=127.0.0.1",
-        f"--master_port={_free_port()}", str(script), name, str(epochs), str(report),
+        f"--master_port={free_port()}", str(script), name, str(epochs), str(report),
     ]  # fmt: skip
-    if _own_network_namespace_works():  # torchrun's store and gloo then cannot listen beyond loopback
-        command = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", *command]
+    if private_network():  # torchrun's store and gloo then cannot listen beyond loopback
+        command = [*private_network(), *command]
     job = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         Producer(Features(), name=name, slots=3, replay=0, min_consumers=ranks).serve(epochs=epochs)

@@ -40,7 +40,7 @@ def query_status(endpoint: str, timeout: float) -> ProducerStatus:
     file does not exist)."""
     import zmq
 
-    from .. import protocol
+    from .. import keys, protocol
     from ..errors import ProtocolError
     from ..protocol import Kind
 
@@ -49,6 +49,10 @@ def query_status(endpoint: str, timeout: float) -> ProducerStatus:
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     try:
+        try:
+            keys.secure_client(sock, endpoint)
+        except keys.KeysError as exc:
+            raise RuntimeError(str(exc)) from None
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_REPLY_BYTES)
         sock.connect(endpoints.connect_address(endpoint))

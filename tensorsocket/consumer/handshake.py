@@ -15,7 +15,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from .. import endpoint as endpoints
-from .. import protocol
+from .. import keys, protocol
 from ..errors import ProducerLost, ProtocolError, Refused
 from ..host import boot_id, pid_namespace
 from ..protocol import Kind
@@ -25,18 +25,27 @@ from .shared import Settings, Shared
 log = logging.getLogger("tensorsocket")
 
 _STOP_CHECK = 0.05  # seconds between checks for close() while waiting for WELCOME
+_HANDSHAKE_FAILURES = 3  # failed ZeroMQ handshakes in a row, without detail, that refuse a join
 READER_SETUP_S = 120.0  # beyond the handshake's timeout: a first CUDA context can take a while
 
 
 def connect(settings: Settings) -> tuple[zmq.Socket, zmq.Socket]:
     """A DEALER socket with a fresh identity, connecting (zmq retries until a producer binds),
     and the monitor that tells join() of each handshake with a producer (made first, so that
-    it sees the first one)."""
+    it sees the first one), or of each that failed. A CURVE client where the endpoint is beyond
+    loopback (:mod:`tensorsocket.keys`: KeysError if its keys are missing)."""
     identity = uuid.uuid4()
     socket = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        keys.secure_client(socket, settings.endpoint)
+    except BaseException:
+        socket.close(0)
+        raise
     # (a name of its own: pyzmq's default is named by the socket's fd, which a later socket
     # reuses, and an inproc name is unbound by ZeroMQ's reaper thread, later than close())
-    monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED, f"inproc://hello-{identity.hex}")
+    monitor = socket.get_monitor_socket(
+        zmq.EVENT_HANDSHAKE_SUCCEEDED | keys.HANDSHAKE_FAILED, f"inproc://hello-{identity.hex}"
+    )
     socket.setsockopt(zmq.ROUTING_ID, identity.bytes)
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.SNDHWM, 0)
@@ -103,13 +112,22 @@ def _welcome(
     deadline = time.monotonic() + wait
     # Past the deadline, one more slice before giving up: a process frozen across it (SIGSTOP,
     # a debugger) must first let its ZeroMQ I/O thread deliver a WELCOME already sent.
-    overdue, preparing = False, False
+    overdue, preparing, failed = False, False, 0
     while True:
         slice_s = _STOP_CHECK if overdue else min(_STOP_CHECK, max(0.0, deadline - time.monotonic()))
         ready = dict(poller.poll(int(slice_s * 1000)))
         if monitor in ready:
-            recv_monitor_message(monitor)  # a handshake with a producer (a new one, after the first)
-            socket.send(hello)
+            event = recv_monitor_message(monitor)
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:  # (a new producer, after the first)
+                failed = 0
+                socket.send(hello)
+                continue
+            # Keys that do not match, or CURVE on one side only. A wrong server key shows only as
+            # failures without detail, as does a connection cut mid-handshake (a producer killed
+            # then): those must come _HANDSHAKE_FAILURES times in a row.
+            failed += 1
+            if event["event"] != zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL or failed >= _HANDSHAKE_FAILURES:
+                raise Refused(keys.handshake_failure(settings.endpoint, event, failed))
             continue
         if socket in ready:
             kind, msg = protocol.decode(socket.recv(), protocol.MAX_REPLY_BYTES)

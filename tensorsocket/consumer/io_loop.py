@@ -38,7 +38,11 @@ _ZMQ_GRACE_MS = 100  # after the producer's end, how long ZeroMQ may take to han
 def run(shared: Shared, settings: Settings, outcome: queue.SimpleQueue[Any]) -> None:
     """The thread's body: join, report the outcome (WELCOME and the reader, or the error)
     to the constructor, then serve until the stream is over or close() stops us."""
-    socket, monitor = handshake.connect(settings)
+    try:
+        socket, monitor = handshake.connect(settings)
+    except BaseException as exc:  # (missing CURVE keys: the constructor raises it)
+        outcome.put(exc)
+        return
     resume = None if settings.resume is None else [*settings.resume, False]
     try:
         welcome = handshake.join(socket, monitor, settings, resume, settings.timeout, shared)

@@ -24,6 +24,7 @@ from ..flow import UNSAID, LateJoin, Membership, Said, Tail
 from ..host import boot_id, pid_alive, pid_namespace, same_host
 from ..protocol import Kind
 from . import successor
+from .listen import listen
 from .room import check_group_fits, evict_group_that_does_not_fit
 from .session_turns import HANDOVER, publisher_turn
 from .sessions import QUEUE_PER_PEER, Sessions, send_zmq
@@ -62,21 +63,10 @@ class IoLoop:
     # ------------------------------------------------------------------ the loop
 
     def _run(self, endpoint: str, owner: object) -> None:
-        socket = zmq.Context.instance().socket(zmq.ROUTER)
-        socket.setsockopt(zmq.LINGER, 500)
-        socket.setsockopt(zmq.SNDHWM, QUEUE_PER_PEER)  # (a consumer's: credits bound what is queued)
-        socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full queue raises, so it is never dropped unseen
-        socket.setsockopt(zmq.RCVHWM, 0)
-        socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_REQUEST_BYTES)
         try:
-            if endpoint.startswith("tcp://") and endpoint.endswith(":*"):
-                port = socket.bind_to_random_port(endpoint[: -len(":*")])
-                endpoint = f"{endpoint[:-2]}:{port}"
-            else:
-                socket.bind(endpoint)
-        except zmq.ZMQError as exc:
-            socket.close(0)
-            self._bound.put(RuntimeError(f"cannot bind {endpoint}: {exc}"))
+            socket, endpoint, unguard = listen(endpoint)
+        except Exception as exc:  # (RuntimeError or KeysError: start() raises it)
+            self._bound.put(exc)
             return
         self.sessions = Sessions()
         self.shared.direct = self.sessions.send_now
@@ -118,6 +108,7 @@ class IoLoop:
                 shared.direct = None
                 self.sessions.close()
             socket.close()
+            unguard()
             with shared.changed:
                 shared.notify()
 
