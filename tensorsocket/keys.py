@@ -82,7 +82,6 @@ class Guard:
         except BaseException:
             self.close()
             raise
-        self.where = where
 
     def socket(self, kind: int) -> zmq.Socket:
         sock = self.context.socket(kind)

@@ -121,6 +121,12 @@ try:
     report["status_other_keys"] = "answered"
 except NoProducer:
     report["status_other_keys"] = "no answer"
+import subprocess
+cli = subprocess.run(
+    [sys.executable, "-m", "tensorsocket", "status", "--endpoint", endpoint, "--timeout", "1"],
+    capture_output=True, text=True, timeout=60,
+)
+report["status_cli_other_keys"] = [cli.returncode, cli.stderr.strip()]
 os.environ[keys.ENV] = str(mine)
 seen = [same(batch, expected_batch(i, BATCHES)) for i, batch in enumerate(good)]
 report["seen"] = len(seen)
@@ -163,5 +169,7 @@ def test_a_producer_beyond_loopback_admits_only_clients_with_its_keys(tmp_path):
     assert "error" in plain and plain["seconds"] < 10, plain
     assert "did not use CURVE" in plain["error"]
     assert report["status_other_keys"] == "no answer"
+    code, said = report["status_cli_other_keys"]
+    assert code == 1 and "no producer that admits the CURVE keys in" in said and "other" in said, said
     # and the producer served on: every batch, exactly, to the consumer with its keys
     assert report["seen"] == 12 and report["exact"] and report["served"]

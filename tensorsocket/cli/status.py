@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import endpoint as endpoints
+from .. import keys
 from ..status import ConsumerStatus, ProducerStatus, bottleneck, same_producer, time_shares
 from .common import (
     EXIT_FAIL,
@@ -243,7 +244,12 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     def missing() -> str:  # (a stopped or stuck producer still holds the name: say so)
         served = f"{label} ({endpoint})" if label else endpoint
-        return endpoints.silent_holder(endpoint, args.timeout) or f"no producer is serving {served}"
+        keyed = (
+            f" that admits the CURVE keys in {keys.folder()}"
+            if endpoints.beyond_this_machine(endpoint)
+            else ""
+        )
+        return endpoints.silent_holder(endpoint, args.timeout) or f"no producer{keyed} is serving {served}"
 
     def once() -> ProducerStatus | None:
         try:
