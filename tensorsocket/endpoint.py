@@ -48,12 +48,19 @@ def runtime_dir() -> Path:
     path = (
         Path(base) / "tensorsocket" if base else Path(tempfile.gettempdir()) / f"tensorsocket-{os.getuid()}"
     )
+    return private_folder(path, "remove it or set XDG_RUNTIME_DIR")
+
+
+def private_folder(path: Path, remedy: str) -> Path:
+    """``path``, made with mode 0700 if missing, and checked: a directory (not a link) owned by
+    this user and closed to others, who could otherwise read or replace what it holds (sockets,
+    keys). PermissionError saying what was found, and ``remedy``."""
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     st = path.lstat()
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
         raise PermissionError(
             f"{path} must be a directory owned by uid {os.getuid()} with mode 0700 "
-            f"(found uid {st.st_uid}, mode {oct(st.st_mode & 0o777)}); remove it or set XDG_RUNTIME_DIR"
+            f"(found uid {st.st_uid}, mode {oct(st.st_mode & 0o777)}); {remedy}"
         )
     return path
 

@@ -1,16 +1,17 @@
 """CURVE keys for a producer bound beyond this machine (DESIGN: "CURVE keys for non-loopback
 tcp"). There, other hosts may reach its port; with CURVE, ZeroMQ encrypts every connection and
-the producer admits only clients holding the key folder, so nobody else can join, ask its
-status or hold the stream up.
+the producer admits only clients holding the key folder's consumer key, so nobody else can
+join, ask its status or hold the stream up.
 
 One folder holds two key pairs, as pyzmq's ``zmq.auth`` writes them: ``producer.key`` /
 ``producer.key_secret`` and ``consumer.key`` / ``consumer.key_secret``. The producer serves
 with its own pair and admits a client whose public key has a ``*.key`` file in the folder
 (pyzmq's ZAP authenticator, in a ZeroMQ context of the producer's own: ZAP is one handler a
-context); a client connects with the consumer pair and the producer's public key. The folder is
-``TENSORSOCKET_KEYS``, else ``$XDG_CONFIG_HOME/tensorsocket/keys`` (``~/.config/...``); a
-producer bound beyond loopback makes it (0700) the first time. A consumer in another container
-gets a copy of it.
+context); a client connects with the consumer pair and the producer's public key, so it needs
+``producer.key``, ``consumer.key`` and ``consumer.key_secret`` (not the producer's secret). The
+folder is ``TENSORSOCKET_KEYS``, else ``$XDG_CONFIG_HOME/tensorsocket/keys``
+(``~/.config/...``), read once by each producer and consumer; a producer bound beyond loopback
+makes it (0700, secrets 0600) the first time, and refuses one that others may read or write.
 
 Which connections: a tcp endpoint whose host is not a loopback address
 (:func:`.endpoint.beyond_this_machine`), the same rule on both sides, from the endpoint each
@@ -20,17 +21,21 @@ container) uses CURVE, one given ``tcp://127.0.0.1:5555`` does not, and is refus
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from .endpoint import beyond_this_machine
+from .endpoint import beyond_this_machine, private_folder
 from .errors import KeysError
+
+log = logging.getLogger("tensorsocket")
 
 ENV = "TENSORSOCKET_KEYS"
 _PRODUCER, _CONSUMER = "producer", "consumer"
@@ -46,11 +51,31 @@ def folder() -> Path:
 
 
 def ensure(where: Path) -> None:
-    """Make the folder (0700) and whichever key pair it lacks."""
-    where.mkdir(mode=0o700, parents=True, exist_ok=True)
-    for name in (_PRODUCER, _CONSUMER):
-        if not (where / f"{name}.key_secret").is_file():
-            zmq.auth.create_certificates(where, name)
+    """Make the folder (0700) and whichever key pair it has neither file of, secrets 0600; under
+    a lock, so producers starting together make one set. KeysError for a folder others may read
+    or write (they could read the secrets, or add a key the producer would admit)."""
+    try:
+        private_folder(where, f"or set {ENV} to a private folder")
+    except PermissionError as exc:
+        raise KeysError(f"the CURVE key folder {exc}") from None
+    with _locked(where / ".lock"):
+        for name in (_PRODUCER, _CONSUMER):
+            if not any((where / f"{name}{suffix}").exists() for suffix in (".key", ".key_secret")):
+                previous = os.umask(0o077)
+                try:
+                    zmq.auth.create_certificates(where, name)
+                finally:
+                    os.umask(previous)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # (held for the few ms two key pairs take to write)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _load(where: Path, name: str, secret: bool) -> tuple[bytes, bytes | None]:
@@ -74,6 +99,7 @@ class Guard:
     def __init__(self, where: Path) -> None:
         ensure(where)
         self.public, self.secret = _load(where, _PRODUCER, secret=True)
+        self.where = where
         self.context = zmq.Context()
         self.auth = ThreadAuthenticator(self.context)
         try:
@@ -89,61 +115,68 @@ class Guard:
         return sock
 
     def close(self) -> None:
+        """Stop the ZAP thread and end the context, dropping what any socket left open on it
+        still holds (``destroy``: a plain ``term`` would wait for such a socket for ever)."""
         self.auth.stop()
-        self.context.term()
+        self.context.destroy(linger=0)
 
 
 def server_socket(endpoint: str, kind: int) -> tuple[zmq.Socket, Callable[[], None]]:
     """A socket to bind ``endpoint`` with, and what to call once it is closed: a CURVE server
     in a context of its own where the endpoint is beyond loopback (KeysError if the folder's
-    keys cannot be read), else a plain one from the shared context."""
+    keys cannot be read or made), else a plain one from the shared context."""
     if not beyond_this_machine(endpoint):
         return zmq.Context.instance().socket(kind), _nothing
     guard = Guard(folder())
-    return guard.socket(kind), guard.close
+    log.info(
+        "%s listens beyond this machine: only clients with the CURVE keys in %s may connect (give a consumer "
+        "in another container a copy of producer.key, consumer.key and consumer.key_secret, and "
+        "TENSORSOCKET_KEYS=<the copy>)",
+        endpoint,
+        guard.where,
+    )
+    try:
+        return guard.socket(kind), guard.close
+    except BaseException:
+        guard.close()
+        raise
 
 
 def _nothing() -> None:
     pass
 
 
-def secure_client(sock: zmq.Socket, endpoint: str) -> bool:
-    """Make ``sock`` a CURVE client if ``endpoint`` (as given, before
-    :func:`.endpoint.connect_address`) is beyond loopback; whether it did. KeysError if the
-    folder's keys are missing."""
-    if not beyond_this_machine(endpoint):
-        return False
-    where = folder()
+def client_keys(where: Path | None) -> tuple[bytes, bytes, bytes] | None:
+    """A client's (producer public, consumer public, consumer secret) keys from ``where``, or None
+    for a plain client (None given: the endpoint is on loopback). KeysError if they are missing."""
+    if where is None:
+        return None
     server, _ = _load(where, _PRODUCER, secret=False)
     public, secret = _load(where, _CONSUMER, secret=True)
-    sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = server, public, secret
-    return True
+    assert secret is not None  # (_load checked it)
+    return server, public, secret
+
+
+def client_folder(endpoint: str) -> Path | None:
+    """The key folder a client of ``endpoint`` (as given, before
+    :func:`.endpoint.connect_address`) uses, or None where it connects in the clear; its keys
+    checked now (KeysError if missing: a consumer raises it at construction)."""
+    where = folder() if beyond_this_machine(endpoint) else None
+    client_keys(where)
+    return where
+
+
+def secure_client(sock: zmq.Socket, keys: tuple[bytes, bytes, bytes] | None) -> None:
+    """Make ``sock`` a CURVE client with ``keys`` (:func:`client_keys`), if any."""
+    if keys is not None:
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = keys
 
 
 #: The monitor events of a failed handshake (a client's or the producer's keys do not match,
 #: or one side uses CURVE and the other does not).
-HANDSHAKE_FAILED = (
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+HANDSHAKE_FAILED_EVENTS = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH,
 )
-
-
-def handshake_failure(endpoint: str, event: dict[str, Any], times: int) -> str:
-    """What a client says when its handshake with the producer at ``endpoint`` failed
-    (``event``, the last of ``times`` in a row)."""
-    if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-        why = "the producer refused this client's CURVE key"
-    else:
-        why = f"the ZeroMQ handshake failed ({zmq.Event(event['event']).name}, {times} time(s) in a row)"
-    if beyond_this_machine(endpoint):
-        hint = (
-            f"this client used CURVE with the keys in {folder()}, which must be a copy of the producer's key "
-            f"folder (set {ENV} to it); or the producer does not use CURVE (it is bound to loopback)"
-        )
-    else:
-        hint = (
-            "this client did not use CURVE, as the endpoint is a loopback address, and a producer bound beyond "
-            "loopback (tcp://*:PORT, say) requires it: connect with the endpoint it bound, or the host's address"
-        )
-    return f"cannot join the producer at {endpoint}: {why}; {hint}"
+HANDSHAKE_FAILED = sum(HANDSHAKE_FAILED_EVENTS)  # (the monitor's mask)

@@ -23,8 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from tensorsocket import Consumer, GroupBroken, Producer, Refused
 from tensorsocket.cli.status import format_status
-from tests.support import SPAWN, serving, wait_until
-from tests.test_clients import _free_port, _own_network_namespace_works
+from tests.support import SPAWN, free_port, private_network, serving, wait_until
 from tests.test_flow_groups import expected_share
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -118,10 +117,10 @@ def _torchrun(script: Any, args: list[str]) -> subprocess.Popen:
     env = os.environ | {"GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-        f"--master_port={_free_port()}", str(script), *args,
+        f"--master_port={free_port()}", str(script), *args,
     ]  # fmt: skip
-    if _own_network_namespace_works():  # its store and gloo then cannot listen beyond loopback
-        command = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", *command]
+    if private_network():  # its store and gloo then cannot listen beyond loopback
+        command = [*private_network(), *command]
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

@@ -41,7 +41,7 @@ def query_status(endpoint: str, timeout: float) -> ProducerStatus:
     import zmq
 
     from .. import keys, protocol
-    from ..errors import ProtocolError
+    from ..errors import KeysError, ProtocolError
     from ..protocol import Kind
 
     if endpoint.startswith("ipc://") and not _ipc_listening(endpoint[len("ipc://") :]):
@@ -50,8 +50,8 @@ def query_status(endpoint: str, timeout: float) -> ProducerStatus:
     sock = ctx.socket(zmq.DEALER)
     try:
         try:
-            keys.secure_client(sock, endpoint)
-        except keys.KeysError as exc:
+            keys.secure_client(sock, keys.client_keys(keys.client_folder(endpoint)))
+        except KeysError as exc:
             raise RuntimeError(str(exc)) from None
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_REPLY_BYTES)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .. import endpoint as endpoints
-from .. import protocol
+from .. import keys, protocol
 from ..errors import Closed
 from ..flow import LateJoin
 from ..options import is_seconds
@@ -158,6 +158,7 @@ class Consumer:
             check_writes,
             membership,
             reconnect=float(reconnect),
+            key_folder=keys.client_folder(self.endpoint),
         )
         self._rebatcher = rebatcher
         self._join(settings, None)

@@ -25,7 +25,6 @@ from .shared import Settings, Shared
 log = logging.getLogger("tensorsocket")
 
 _STOP_CHECK = 0.05  # seconds between checks for close() while waiting for WELCOME
-_HANDSHAKE_FAILURES = 3  # failed ZeroMQ handshakes in a row, without detail, that refuse a join
 READER_SETUP_S = 120.0  # beyond the handshake's timeout: a first CUDA context can take a while
 
 
@@ -34,13 +33,10 @@ def connect(settings: Settings) -> tuple[zmq.Socket, zmq.Socket]:
     and the monitor that tells join() of each handshake with a producer (made first, so that
     it sees the first one), or of each that failed. A CURVE client where the endpoint is beyond
     loopback (:mod:`tensorsocket.keys`: KeysError if its keys are missing)."""
+    client_keys = keys.client_keys(settings.key_folder)
     identity = uuid.uuid4()
     socket = zmq.Context.instance().socket(zmq.DEALER)
-    try:
-        keys.secure_client(socket, settings.endpoint)
-    except BaseException:
-        socket.close(0)
-        raise
+    keys.secure_client(socket, client_keys)
     # (a name of its own: pyzmq's default is named by the socket's fd, which a later socket
     # reuses, and an inproc name is unbound by ZeroMQ's reaper thread, later than close())
     monitor = socket.get_monitor_socket(
@@ -117,17 +113,15 @@ def _welcome(
         slice_s = _STOP_CHECK if overdue else min(_STOP_CHECK, max(0.0, deadline - time.monotonic()))
         ready = dict(poller.poll(int(slice_s * 1000)))
         if monitor in ready:
-            event = recv_monitor_message(monitor)
-            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:  # (a new producer, after the first)
-                failed = 0
+            event = recv_monitor_message(monitor)["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:  # (a new producer, after the first)
                 socket.send(hello)
-                continue
-            # Keys that do not match, or CURVE on one side only. A wrong server key shows only as
-            # failures without detail, as does a connection cut mid-handshake (a producer killed
-            # then): those must come _HANDSHAKE_FAILURES times in a row.
-            failed += 1
-            if event["event"] != zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL or failed >= _HANDSHAKE_FAILURES:
-                raise Refused(keys.handshake_failure(settings.endpoint, event, failed))
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+                # A wrong producer key shows only so, and so does a connection cut mid-handshake,
+                # as when a producer is killed (a restart's consumers see several): said at the end
+                failed += 1
+            else:  # our CURVE key refused by its ZAP handler, or CURVE on one side only
+                raise Refused(_handshake_failure(settings, event))
             continue
         if socket in ready:
             kind, msg = protocol.decode(socket.recv(), protocol.MAX_REPLY_BYTES)
@@ -147,10 +141,13 @@ def _welcome(
         if overdue or shared.stop.is_set():
             silent = f"went silent for {settings.timeout:g} s while it prepared its stream"
             raise ProducerLost(
-                (f"the producer at {settings.endpoint} {silent}" if preparing else None)
-                or endpoints.silent_holder(settings.endpoint, wait)
-                or f"no producer answered at {settings.endpoint} within {wait:g} s; start one with "
-                "Producer(loader, name=...) or check the name / endpoint"
+                (
+                    (f"the producer at {settings.endpoint} {silent}" if preparing else None)
+                    or endpoints.silent_holder(settings.endpoint, wait)
+                    or f"no producer answered at {settings.endpoint} within {wait:g} s; start one with "
+                    "Producer(loader, name=...) or check the name / endpoint"
+                )
+                + _failed_with_keys(settings, failed)
             )
         overdue = time.monotonic() >= deadline
     if kind is Kind.WELCOME:
@@ -158,6 +155,36 @@ def _welcome(
     if kind in (Kind.ERROR, Kind.EVICTED):
         raise Refused(f"the producer at {settings.endpoint} refused to serve us: {msg['reason']}")
     raise ProtocolError(f"expected WELCOME from {settings.endpoint}, got {kind.value}")
+
+
+def _handshake_failure(settings: Settings, event: int) -> str:
+    """What a consumer says when the producer refused its CURVE key, or only one side uses CURVE."""
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        why = "the producer refused this client's CURVE key"
+    else:
+        why = f"the ZeroMQ handshake failed ({zmq.Event(event).name})"
+    if settings.key_folder is not None:
+        hint = (
+            f"this client used CURVE with the keys in {settings.key_folder}, which must come from the producer's "
+            f"key folder (set {keys.ENV} to them); or the producer does not use CURVE (it is bound to loopback)"
+        )
+    else:
+        hint = (
+            "this client did not use CURVE, as the endpoint is a loopback address, and a producer bound beyond "
+            "loopback (tcp://*:PORT, say) requires it: connect with the endpoint it bound, or the host's address"
+        )
+    return f"cannot join the producer at {settings.endpoint}: {why}; {hint}"
+
+
+def _failed_with_keys(settings: Settings, failed: int) -> str:
+    """What a CURVE client adds when it gave up after handshakes failed without detail: a
+    producer key that does not match the producer's shows only so."""
+    if not failed or settings.key_folder is None:
+        return ""
+    return (
+        f"; {failed} handshake(s) with a producer there failed without detail, as they do when this client's "
+        f"producer.key (in {settings.key_folder}) is not the producer's: copy it from the producer's key folder"
+    )
 
 
 def outcome(results: queue.SimpleQueue[Any], shared: Shared, timeout: float, endpoint: str) -> Any:

@@ -38,11 +38,7 @@ _ZMQ_GRACE_MS = 100  # after the producer's end, how long ZeroMQ may take to han
 def run(shared: Shared, settings: Settings, outcome: queue.SimpleQueue[Any]) -> None:
     """The thread's body: join, report the outcome (WELCOME and the reader, or the error)
     to the constructor, then serve until the stream is over or close() stops us."""
-    try:
-        socket, monitor = handshake.connect(settings)
-    except BaseException as exc:  # (missing CURVE keys: the constructor raises it)
-        outcome.put(exc)
-        return
+    socket, monitor = handshake.connect(settings)
     resume = None if settings.resume is None else [*settings.resume, False]
     try:
         welcome = handshake.join(socket, monitor, settings, resume, settings.timeout, shared)
@@ -275,10 +271,10 @@ class ConsumerIo(Inbox):
             # raising ProducerLost after `timeout` (wait_checks.catch_up_after_freeze).
             self.shared.synced.set()
         log.warning("%s; waiting up to %g s for a producer to continue the stream", why, wait)
-        socket, monitor = handshake.connect(self.settings)
-        self.link = self.link.renewed(socket)
         at = self._ready_at(self.settings.resume)  # (a rejoin only after what it received)
         try:
+            socket, monitor = handshake.connect(self.settings)  # (KeysError: its key files went)
+            self.link = self.link.renewed(socket)
             welcome = handshake.join(socket, monitor, self.settings, at, wait, self.shared)
         except (ProducerLost, Refused, ProtocolError, ValueError) as exc:
             if self.shared.stop.is_set():

@@ -39,6 +39,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .. import protocol
@@ -70,6 +71,7 @@ class Settings:
     group: tuple[str, int, int, str] | None = None  # (name, rank, world size, tail)
     resume: tuple[str, int, int] | None = None  # a restored position: (stream, epoch, index)
     reconnect: float = 0.0  # seconds to wait for a successor when the producer is lost
+    key_folder: Path | None = None  # CURVE keys (tensorsocket.keys): an endpoint beyond loopback
 
 
 class Sleeping:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from .. import endpoint as endpoints
-from .. import keys, sharding
+from .. import sharding
 from ..errors import Closed, IoThreadDied, TensorSocketError
 from ..flow import Flow
 from ..options import STRAGGLERS, default_max_lag, is_seconds
@@ -147,13 +147,6 @@ class Producer:
         shared = self._shared
         weakref.finalize(self, _stop_at_exit, shared.stop, shared.wakeup, self._io.thread, store)
         log.info("producer serving %s with %d slots on %s", self.endpoint, slots, self.device)
-        if endpoints.beyond_this_machine(self.endpoint):
-            log.info(
-                "%s listens beyond this machine: only clients with the CURVE keys in %s may connect (give a "
-                "consumer in another container a copy of that folder, and TENSORSOCKET_KEYS=<the copy>)",
-                self.endpoint,
-                keys.folder(),
-            )
 
     def _prepare(
         self, begun: successor.Begun | None, pool: LoaderPool

@@ -16,19 +16,21 @@ def listen(endpoint: str) -> tuple[zmq.Socket, str, Callable[[], None]]:
     port), and what to call once the socket is closed. RuntimeError naming the endpoint if it
     cannot be bound; KeysError if it needs keys that cannot be read or made."""
     socket, unguard = keys.server_socket(endpoint, zmq.ROUTER)
-    socket.setsockopt(zmq.LINGER, 500)
-    socket.setsockopt(zmq.SNDHWM, QUEUE_PER_PEER)  # (a consumer's: credits bound what is queued)
-    socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full queue raises, so it is never dropped unseen
-    socket.setsockopt(zmq.RCVHWM, 0)
-    socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_REQUEST_BYTES)
     try:
+        socket.setsockopt(zmq.LINGER, 500)
+        socket.setsockopt(zmq.SNDHWM, QUEUE_PER_PEER)  # (a consumer's: credits bound what is queued)
+        socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full queue raises, so it is never dropped unseen
+        socket.setsockopt(zmq.RCVHWM, 0)
+        socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_REQUEST_BYTES)
         if endpoint.startswith("tcp://") and endpoint.endswith(":*"):
             port = socket.bind_to_random_port(endpoint[: -len(":*")])
             endpoint = f"{endpoint[:-2]}:{port}"
         else:
             socket.bind(endpoint)
-    except zmq.ZMQError as exc:
+    except BaseException as exc:
         socket.close(0)
         unguard()
-        raise RuntimeError(f"cannot bind {endpoint}: {exc}") from None
+        if isinstance(exc, zmq.ZMQError):
+            raise RuntimeError(f"cannot bind {endpoint}: {exc}") from None
+        raise
     return socket, endpoint, unguard
