@@ -126,6 +126,12 @@ def beyond_this_machine(endpoint: str) -> bool:
         return True
 
 
+def ipv6(endpoint: str) -> bool:
+    """Whether a tcp endpoint names an IPv6 address (``tcp://[::1]:5555``): a ZeroMQ socket
+    binds or connects to one only with its IPV6 option set."""
+    return endpoint.startswith("tcp://[")
+
+
 def connect_address(endpoint: str) -> str:
     """The address a consumer connects to for an endpoint a producer binds."""
     if endpoint.startswith("tcp://"):

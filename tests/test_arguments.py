@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tensorsocket import Consumer, Producer, ProducerLost
+from tensorsocket.cli.query import query_status
 from tensorsocket.endpoint import ENV, beyond_this_machine, resolve, runtime_dir
 from tensorsocket.sharding import open_epoch
 from tensorsocket.transport.gpu_topology import GpuPathError
@@ -308,6 +309,22 @@ def test_tcp_random_port_is_reported_and_reachable(endpoint):
         try:
             serving = Serving(producer, epochs=2)
             assert read_all(consumer, 2, batches) == [(e, i) for e in range(2) for i in range(batches)]
+            serving.result()
+        finally:
+            consumer.close()
+
+
+def test_an_ipv6_loopback_endpoint_is_served():
+    """ZeroMQ binds and connects to an IPv6 address only with its IPV6 option set: before, the
+    producer's constructor failed ("No such device")."""
+    batches = 3
+    with Producer(NestedLoader(batches), endpoint="tcp://[::1]:*") as producer:
+        assert producer.endpoint.startswith("tcp://[::1]:")
+        consumer = Consumer(endpoint=producer.endpoint, timeout=10)
+        try:
+            assert query_status(producer.endpoint, timeout=10)["endpoint"] == producer.endpoint
+            serving = Serving(producer, epochs=1)
+            assert read_all(consumer, 1, batches) == [(0, i) for i in range(batches)]
             serving.result()
         finally:
             consumer.close()

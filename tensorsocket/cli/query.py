@@ -55,6 +55,7 @@ def query_status(endpoint: str, timeout: float) -> ProducerStatus:
             raise RuntimeError(str(exc)) from None
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_REPLY_BYTES)
+        sock.setsockopt(zmq.IPV6, endpoints.ipv6(endpoint))
         sock.connect(endpoints.connect_address(endpoint))
         sock.send(protocol.encode(Kind.STATUS, status=None))
         deadline = time.monotonic() + timeout

@@ -47,6 +47,7 @@ def connect(settings: Settings) -> tuple[zmq.Socket, zmq.Socket]:
     socket.setsockopt(zmq.SNDHWM, 0)
     socket.setsockopt(zmq.RCVHWM, 0)
     socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_REPLY_BYTES)
+    socket.setsockopt(zmq.IPV6, endpoints.ipv6(settings.endpoint))
     socket.connect(endpoints.connect_address(settings.endpoint))
     return socket, monitor
 

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import zmq
 
+from .. import endpoint as endpoints
 from .. import keys, protocol
 from .sessions import QUEUE_PER_PEER
 
@@ -22,6 +23,7 @@ def listen(endpoint: str) -> tuple[zmq.Socket, str, Callable[[], None]]:
         socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full queue raises, so it is never dropped unseen
         socket.setsockopt(zmq.RCVHWM, 0)
         socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_REQUEST_BYTES)
+        socket.setsockopt(zmq.IPV6, endpoints.ipv6(endpoint))  # ([::] takes IPv4 too)
         if endpoint.startswith("tcp://") and endpoint.endswith(":*"):
             port = socket.bind_to_random_port(endpoint[: -len(":*")])
             endpoint = f"{endpoint[:-2]}:{port}"
