@@ -61,11 +61,8 @@ def ensure(where: Path) -> None:
     with _locked(where / ".lock"):
         for name in (_PRODUCER, _CONSUMER):
             if not any((where / f"{name}{suffix}").exists() for suffix in (".key", ".key_secret")):
-                previous = os.umask(0o077)
-                try:
-                    zmq.auth.create_certificates(where, name)
-                finally:
-                    os.umask(previous)
+                _, secret = zmq.auth.create_certificates(where, name)
+                os.chmod(secret, 0o600)  # (written as the umask says; the folder's 0700 kept it meanwhile)
 
 
 @contextlib.contextmanager
