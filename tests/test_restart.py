@@ -76,18 +76,26 @@ def _supervise(name: str, pipeline: str, log: Path, kills: int, seed: int, consu
     rng, pids = random.Random(seed), []
     for life in range(1, kills + 2):
         proc = _serve(name, pipeline, log)
-        pids.append(proc.pid)
-        _wait_serving(proc, log, life)
-        if life == 1:
-            wait_until(lambda: log.read_text().count(" joined (") >= consumers, 60, "every consumer to join")
-        if life <= kills:
-            # A random batch position (a batch takes ~40 ms): at most 12 or so batches a life,
-            # so the 72 of the stream outlast every kill (later kills once let it end first).
-            time.sleep(rng.uniform(0.2, 0.5))
-            assert proc.poll() is None, f"the stream ended before kill {life}:\n{log.read_text()[-3000:]}"
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(timeout=30)
-    assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
+        try:
+            pids.append(proc.pid)
+            _wait_serving(proc, log, life)
+            if life == 1:
+                wait_until(
+                    lambda: log.read_text().count(" joined (") >= consumers, 60, "every consumer to join"
+                )
+            if life <= kills:
+                # A random batch position (a batch takes ~40 ms): at most 12 or so batches a life,
+                # so the 72 of the stream outlast every kill (later kills once let it end first).
+                time.sleep(rng.uniform(0.2, 0.5))
+                assert proc.poll() is None, f"the stream ended before kill {life}:\n{log.read_text()[-3000:]}"
+                proc.send_signal(signal.SIGKILL)
+                proc.wait(timeout=30)
+            else:
+                assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
+        finally:  # (a failure, or pytest-timeout's, must not leave it serving with nobody to stop it)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
     return pids
 
 
