@@ -169,6 +169,27 @@ def secure_client(sock: zmq.Socket, keys: tuple[bytes, bytes, bytes] | None) -> 
         sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = keys
 
 
+def refusal(endpoint: str, where: Path | None, event: int) -> str:
+    """What a client (with the keys in ``where``; None: a plain one) says when its handshake with
+    the producer at ``endpoint`` ended in ``event``: its CURVE key refused by the producer's ZAP
+    handler, or CURVE on one side only."""
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        why = f"the producer at {endpoint} refused this client's CURVE key"
+    else:
+        why = f"the ZeroMQ handshake with the producer at {endpoint} failed ({zmq.Event(event).name})"
+    if where is not None:
+        hint = (
+            f"this client used CURVE with the keys in {where}, which must come from the producer's key folder "
+            f"(set {ENV} to them); or the producer does not use CURVE (it is bound to loopback)"
+        )
+    else:
+        hint = (
+            "this client did not use CURVE, as the endpoint is a loopback address, and a producer bound beyond "
+            "loopback (tcp://*:PORT, say) requires it: connect with the endpoint it bound, or the host's address"
+        )
+    return f"{why}; {hint}"
+
+
 #: The monitor events of a failed handshake (a client's or the producer's keys do not match,
 #: or one side uses CURVE and the other does not).
 HANDSHAKE_FAILED_EVENTS = (
@@ -177,3 +198,5 @@ HANDSHAKE_FAILED_EVENTS = (
     zmq.EVENT_HANDSHAKE_FAILED_AUTH,
 )
 HANDSHAKE_FAILED = sum(HANDSHAKE_FAILED_EVENTS)  # (the monitor's mask)
+#: Those that say for sure the client is refused (the others may be a producer killed mid-handshake)
+HANDSHAKE_REFUSED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH

@@ -193,6 +193,11 @@ keys.ensure(stranger)
 (stranger / "producer.key").write_bytes((mine / "producer.key").read_bytes())
 report["stranger"] = refusal(endpoint, stranger)
 report["plain"] = refusal(endpoint.replace("*", "127.0.0.1"), mine)
+try:  # a plain query of a producer that requires CURVE: said at once, not "no producer"
+    query_status(endpoint.replace("*", "127.0.0.1"), timeout=30)
+    report["status_plain"] = "answered"
+except RuntimeError as exc:
+    report["status_plain"] = str(exc)
 os.environ[keys.ENV] = str(other)
 try:
     query_status(endpoint, timeout=2)
@@ -251,6 +256,7 @@ def test_a_producer_beyond_loopback_admits_only_clients_with_its_keys(tmp_path):
     assert "error" in plain and plain["seconds"] < 10, plain
     assert plain["error"].startswith("Refused: ") and "did not use CURVE" in plain["error"]
     assert report["status_other_keys"] == "no answer"
+    assert "did not use CURVE" in report["status_plain"], report["status_plain"]
     code, said = report["status_cli_other_keys"]
     assert code == 1 and "no producer that admits the CURVE keys in" in said and "other" in said, said
     # and the producer served on: every batch, exactly, to the consumer with its keys

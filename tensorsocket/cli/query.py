@@ -38,7 +38,10 @@ def query_status(endpoint: str, timeout: float) -> ProducerStatus:
 
     Raises NoProducer when nothing answers within ``timeout`` (at once when the ipc socket
     file does not exist)."""
+    import uuid
+
     import zmq
+    from zmq.utils.monitor import recv_monitor_message
 
     from .. import keys, protocol
     from ..errors import KeysError, ProtocolError
@@ -46,22 +49,31 @@ def query_status(endpoint: str, timeout: float) -> ProducerStatus:
 
     if endpoint.startswith("ipc://") and not _ipc_listening(endpoint[len("ipc://") :]):
         raise NoProducer(endpoint)
+    try:
+        where = keys.client_folder(endpoint)
+    except KeysError as exc:
+        raise RuntimeError(str(exc)) from None
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
+    # (a handshake refused for its keys, or for CURVE on one side only, is said at once)
+    monitor = sock.get_monitor_socket(keys.HANDSHAKE_REFUSED, f"inproc://status-{uuid.uuid4().hex}")
     try:
-        try:
-            keys.secure_client(sock, keys.client_keys(keys.client_folder(endpoint)))
-        except KeysError as exc:
-            raise RuntimeError(str(exc)) from None
+        keys.secure_client(sock, keys.client_keys(where))
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_REPLY_BYTES)
         sock.setsockopt(zmq.IPV6, endpoints.ipv6(endpoint))
         sock.connect(endpoints.connect_address(endpoint))
         sock.send(protocol.encode(Kind.STATUS, status=None))
         deadline = time.monotonic() + timeout
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+            ready = dict(poller.poll(int(left * 1000) + 1)) if left > 0 else {}
+            if monitor in ready:
+                raise RuntimeError(keys.refusal(endpoint, where, recv_monitor_message(monitor)["event"]))
+            if sock not in ready:
                 raise NoProducer(endpoint)
             try:
                 kind, msg = protocol.decode(sock.recv(), protocol.MAX_REPLY_BYTES)
@@ -78,4 +90,6 @@ def query_status(endpoint: str, timeout: float) -> ProducerStatus:
                 raise RuntimeError(f"the producer at {endpoint} refused the query: {msg['reason']}")
             # anything else (a heartbeat) is not for us: keep waiting
     finally:
+        sock.disable_monitor()
+        monitor.close(0)
         sock.close(0)

@@ -122,7 +122,7 @@ def _welcome(
                 # as when a producer is killed (a restart's consumers see several): said at the end
                 failed += 1
             else:  # our CURVE key refused by its ZAP handler, or CURVE on one side only
-                raise Refused(_handshake_failure(settings, event))
+                raise Refused(keys.refusal(settings.endpoint, settings.key_folder, event))
             continue
         if socket in ready:
             kind, msg = protocol.decode(socket.recv(), protocol.MAX_REPLY_BYTES)
@@ -156,25 +156,6 @@ def _welcome(
     if kind in (Kind.ERROR, Kind.EVICTED):
         raise Refused(f"the producer at {settings.endpoint} refused to serve us: {msg['reason']}")
     raise ProtocolError(f"expected WELCOME from {settings.endpoint}, got {kind.value}")
-
-
-def _handshake_failure(settings: Settings, event: int) -> str:
-    """What a consumer says when the producer refused its CURVE key, or only one side uses CURVE."""
-    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-        why = "the producer refused this client's CURVE key"
-    else:
-        why = f"the ZeroMQ handshake failed ({zmq.Event(event).name})"
-    if settings.key_folder is not None:
-        hint = (
-            f"this client used CURVE with the keys in {settings.key_folder}, which must come from the producer's "
-            f"key folder (set {keys.ENV} to them); or the producer does not use CURVE (it is bound to loopback)"
-        )
-    else:
-        hint = (
-            "this client did not use CURVE, as the endpoint is a loopback address, and a producer bound beyond "
-            "loopback (tcp://*:PORT, say) requires it: connect with the endpoint it bound, or the host's address"
-        )
-    return f"cannot join the producer at {settings.endpoint}: {why}; {hint}"
 
 
 def _failed_with_keys(settings: Settings, failed: int) -> str:
