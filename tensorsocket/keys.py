@@ -32,7 +32,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from .endpoint import beyond_this_machine, private_folder
+from .endpoint import beyond_this_machine, connect_address, ipv6, private_folder
 from .errors import KeysError
 
 log = logging.getLogger("tensorsocket")
@@ -156,17 +156,17 @@ def client_keys(where: Path | None) -> tuple[bytes, bytes, bytes] | None:
 
 def client_folder(endpoint: str) -> Path | None:
     """The key folder a client of ``endpoint`` (as given, before
-    :func:`.endpoint.connect_address`) uses, or None where it connects in the clear; its keys
-    checked now (KeysError if missing: a consumer raises it at construction)."""
-    where = folder() if beyond_this_machine(endpoint) else None
-    client_keys(where)
-    return where
+    :func:`.endpoint.connect_address`) uses, or None where it connects in the clear."""
+    return folder() if beyond_this_machine(endpoint) else None
 
 
-def secure_client(sock: zmq.Socket, keys: tuple[bytes, bytes, bytes] | None) -> None:
-    """Make ``sock`` a CURVE client with ``keys`` (:func:`client_keys`), if any."""
+def connect(sock: zmq.Socket, endpoint: str, keys: tuple[bytes, bytes, bytes] | None) -> None:
+    """Connect a client's socket to the producer at ``endpoint`` (as given): a CURVE client
+    with ``keys`` (:func:`client_keys`; None: in the clear), IPv6 where the address is one."""
     if keys is not None:
         sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = keys
+    sock.setsockopt(zmq.IPV6, ipv6(endpoint))
+    sock.connect(connect_address(endpoint))
 
 
 def refusal(endpoint: str, where: Path | None, event: int) -> str:

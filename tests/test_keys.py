@@ -97,8 +97,7 @@ def _handshake(where, client_folder, port):
     sock = zmq.Context.instance().socket(zmq.DEALER)
     monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | keys.HANDSHAKE_FAILED)
     try:
-        keys.secure_client(sock, keys.client_keys(client_folder))
-        sock.connect(f"tcp://127.0.0.1:{port}")
+        keys.connect(sock, f"tcp://127.0.0.1:{port}", keys.client_keys(client_folder))
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             if monitor.poll(100):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import time
 
-from .. import endpoint as endpoints
 from ..status import ProducerStatus, check
 
 
@@ -49,8 +48,9 @@ def query_status(endpoint: str, timeout: float) -> ProducerStatus:
 
     if endpoint.startswith("ipc://") and not _ipc_listening(endpoint[len("ipc://") :]):
         raise NoProducer(endpoint)
+    where = keys.client_folder(endpoint)
     try:
-        where = keys.client_folder(endpoint)
+        client_keys = keys.client_keys(where)
     except KeysError as exc:
         raise RuntimeError(str(exc)) from None
     ctx = zmq.Context.instance()
@@ -58,11 +58,9 @@ def query_status(endpoint: str, timeout: float) -> ProducerStatus:
     # (a handshake refused for its keys, or for CURVE on one side only, is said at once)
     monitor = sock.get_monitor_socket(keys.HANDSHAKE_REFUSED, f"inproc://status-{uuid.uuid4().hex}")
     try:
-        keys.secure_client(sock, keys.client_keys(where))
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_REPLY_BYTES)
-        sock.setsockopt(zmq.IPV6, endpoints.ipv6(endpoint))
-        sock.connect(endpoints.connect_address(endpoint))
+        keys.connect(sock, endpoint, client_keys)
         sock.send(protocol.encode(Kind.STATUS, status=None))
         deadline = time.monotonic() + timeout
         poller = zmq.Poller()

@@ -244,11 +244,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     def missing() -> str:  # (a stopped or stuck producer still holds the name: say so)
         served = f"{label} ({endpoint})" if label else endpoint
-        keyed = (
-            f" that admits the CURVE keys in {keys.folder()}"
-            if endpoints.beyond_this_machine(endpoint)
-            else ""
-        )
+        where = keys.client_folder(endpoint)
+        keyed = f" that admits the CURVE keys in {where}" if where is not None else ""
         return endpoints.silent_holder(endpoint, args.timeout) or f"no producer{keyed} is serving {served}"
 
     def once() -> ProducerStatus | None:

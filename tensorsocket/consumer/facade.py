@@ -160,6 +160,7 @@ class Consumer:
             reconnect=float(reconnect),
             key_folder=keys.client_folder(self.endpoint),
         )
+        keys.client_keys(settings.key_folder)  # (checked now: KeysError at construction, naming the folder)
         self._rebatcher = rebatcher
         self._join(settings, None)
 

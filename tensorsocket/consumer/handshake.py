@@ -33,10 +33,9 @@ def connect(settings: Settings) -> tuple[zmq.Socket, zmq.Socket]:
     and the monitor that tells join() of each handshake with a producer (made first, so that
     it sees the first one), or of each that failed. A CURVE client where the endpoint is beyond
     loopback (:mod:`tensorsocket.keys`: KeysError if its keys are missing)."""
-    client_keys = keys.client_keys(settings.key_folder)
+    client_keys = keys.client_keys(settings.key_folder)  # (read before a socket is made: none leaks)
     identity = uuid.uuid4()
     socket = zmq.Context.instance().socket(zmq.DEALER)
-    keys.secure_client(socket, client_keys)
     # (a name of its own: pyzmq's default is named by the socket's fd, which a later socket
     # reuses, and an inproc name is unbound by ZeroMQ's reaper thread, later than close())
     monitor = socket.get_monitor_socket(
@@ -47,8 +46,7 @@ def connect(settings: Settings) -> tuple[zmq.Socket, zmq.Socket]:
     socket.setsockopt(zmq.SNDHWM, 0)
     socket.setsockopt(zmq.RCVHWM, 0)
     socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_REPLY_BYTES)
-    socket.setsockopt(zmq.IPV6, endpoints.ipv6(settings.endpoint))
-    socket.connect(endpoints.connect_address(settings.endpoint))
+    keys.connect(socket, settings.endpoint, client_keys)
     return socket, monitor
 
 
