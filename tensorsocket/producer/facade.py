@@ -137,7 +137,13 @@ class Producer:
             with self._shared.changed:  # (after the publisher: the WELCOMEs say whom it waits for)
                 successor.settle(self._shared, resumed, tracker)
         except BaseException:  # (Ctrl-C, say: else the I/O thread would serve the name on, unseen)
-            self._stop_and_free()
+            # Done whole even if a second Ctrl-C lands in it: there is no object to close later
+            while True:
+                try:
+                    self._stop_and_free()
+                    break
+                except KeyboardInterrupt:
+                    continue
             raise
         self._closed = False
         # If close() is never called (a script without `with` that raises): at exit, stop the
@@ -260,6 +266,8 @@ class Producer:
         """Stop the I/O thread, free the places and give up the name: at close(), or when
         the constructor fails once the name is bound. Done again whole if cut short."""
         shared = self._shared
+        with self._io.gate:  # (a thread that has not begun sees the stop: it never binds)
+            shared.stop.set()
         stop_loop(shared.stop, shared.wakeup, self._io.thread, timeout=5.0)
         with shared.changed:
             shared.store.close()

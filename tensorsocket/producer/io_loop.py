@@ -47,6 +47,10 @@ class IoLoop:
             target=self._run, args=(endpoint, owner), name="tensorsocket-producer-io", daemon=True
         )
         self.declined = False  # a session's message was left to the publishing thread's turn
+        # Its begin and a stop (set under it) in one order: a thread whose start() Ctrl-C cut short
+        # may run after the stop, unjoined (no ident yet): it must not bind the name given back
+        # (an ipc bind takes the path from whoever holds it by then).
+        self.gate = threading.Lock()
 
     def start(self) -> str:
         """Start the thread; return the endpoint it bound (a tcp ``:*`` resolved to its port),
@@ -63,6 +67,9 @@ class IoLoop:
     # ------------------------------------------------------------------ the loop
 
     def _run(self, endpoint: str, owner: object) -> None:
+        with self.gate:
+            if self.shared.stop.is_set():  # (stopped before it began: see __init__)
+                return
         try:
             socket, endpoint, unguard = listen(endpoint)
         except Exception as exc:  # (RuntimeError or KeysError: start() raises it)
