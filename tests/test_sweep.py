@@ -721,3 +721,37 @@ def test_the_stdin_thread_neither_outlives_a_stop_nor_holds_the_producer(tmp_pat
     child.join(timeout=30)
     assert (code, dropped, alive) == (0, True, False)
     assert child.exitcode == 0
+
+
+def test_a_stop_signal_as_a_trainer_starts_leaves_it_recorded_to_be_stopped(tmp_path: Path) -> None:
+    """Before: a SIGINT whose handler ran inside ``subprocess.Popen`` (here as its child had just
+    been started) raised there, so the sweep never recorded the trainer: its stop did not stop
+    it, and it ran on unseen. Now the stop signals' handlers wait until the trainer is recorded,
+    then run: the KeyboardInterrupt comes all the same, and the sweep's stop stops the trainer."""
+    from tensorsocket.cli.sweep import processes
+    from tensorsocket.cli.sweep.trials import Trial
+
+    command = [sys.executable, "-c", "import time; time.sleep(60)"]
+    trial = Trial("trial-1", {}, command, tmp_path / "trial-1.log")
+    started: list[int] = []
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code is subprocess.Popen._execute_child.__code__ and event == "return" and not started:
+            started.append(frame.f_locals["self"].pid)
+            os.kill(os.getpid(), signal.SIGINT)  # (a real one: its handler runs at once)
+        return trace
+
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    sys.settrace(trace)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            processes._start_trial(trial, "ipc:///nowhere")
+    finally:
+        sys.settrace(None)
+        if started and (trial.process is None or trial.process.pid != started[0]):
+            os.killpg(started[0], signal.SIGKILL)  # (the unrecorded trainer, before the fix)
+    assert started and trial.process is not None and trial.process.pid == started[0]
+    assert trial.status == "running" and trial.process.poll() is None
+    processes.terminate([trial])
+    assert trial.status == "stopped" and trial.process.returncode == -signal.SIGTERM
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

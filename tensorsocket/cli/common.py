@@ -7,11 +7,14 @@ status`` start fast (each command imports what it needs when it runs).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import re
+import signal
 import stat
 import sys
+from collections.abc import Iterator
 
 from .. import endpoint as endpoints
 
@@ -53,6 +56,33 @@ def handling(*kinds: type[BaseException]) -> bool:
     while exc is not None and not isinstance(exc, kinds):
         exc = exc.__context__
     return exc is not None
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Hold the stop signals' Python handlers while a child process is started and recorded,
+    then run them: an exception they raise inside ``subprocess.Popen`` leaves a child running
+    that nothing has recorded, so nothing stops it. (Not ``pthread_sigmask``: a child started
+    with the signals blocked would keep them blocked.) In the main thread only, as handlers are."""
+    held: list[int] = []
+    try:
+        previous = {
+            sig: signal.signal(sig, lambda signum, frame: held.append(signum))
+            for sig in STOP_SIGNALS
+            if callable(signal.getsignal(sig))
+        }
+    except ValueError:  # (not the main thread: no handler runs here anyway)
+        previous = {}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for signum in held:
+            signal.raise_signal(signum)  # (its handler runs now, or at the next line)
 
 
 # ---------------------------------------------------------------------------- option types

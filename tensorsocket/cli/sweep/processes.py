@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ... import endpoint as endpoints
 from ...status import ConsumerStatus
+from ..common import signals_held
 from ..query import NoProducer, query_status
 from .report import Display, tail
 from .trial_clock import WaveClock
@@ -119,7 +120,7 @@ def _start_trial(trial: Trial, endpoint: str) -> None:
         "TENSORSOCKET_TRIAL": trial.name,
         "PYTHONUNBUFFERED": "1",
     }
-    with open(trial.log, "wb") as log:
+    with open(trial.log, "wb") as log, signals_held():  # (a stop then stops it: it is recorded)
         log.write(f"# {trial.name}: {shlex.join(trial.command)}\n".encode())
         log.flush()
         try:
@@ -134,8 +135,8 @@ def _start_trial(trial: Trial, endpoint: str) -> None:
         except OSError as exc:
             log.write(f"cannot start the trainer: {exc}\n".encode())
             trial.process = None
-    trial.started = time.monotonic()
-    trial.status = "running"
+        trial.started = time.monotonic()
+        trial.status = "running"
     if trial.process is None:
         _finish(trial, 127)
 
@@ -226,8 +227,10 @@ def run_wave(
     display.note = f" (wave {number}/{waves})" if waves > 1 else ""
     if waves > 1:
         display.event(f"wave {number}/{waves}: {', '.join(t.name for t in wave)}")
-    producer = _ProducerProcess(args, name, len(wave), logs, number)
+    producer = None
     try:
+        with signals_held():  # (a stop then stops it: it is recorded)
+            producer = _ProducerProcess(args, name, len(wave), logs, number)
         while not producer.ready():
             time.sleep(0.05)
             display.refresh()
@@ -258,5 +261,6 @@ def run_wave(
             display.event(f"the producer exited with code {code}; see {producer.log}")
     except BaseException:
         terminate(wave)
-        producer.stop(0.0)
+        if producer is not None:
+            producer.stop(0.0)
         raise
