@@ -649,6 +649,34 @@ def test_batches_carry_a_fingerprint_only_while_a_consumer_checks_writes(name, c
             sock.close(0)
 
 
+def test_a_peer_repeating_modified_cannot_flood_the_producers_log(name, caplog):
+    """A consumer reports a batch that changed while it held it once, as it lets it go; a peer
+    repeating the report for a batch it holds is logged for its first 20 reports and every
+    1000th after, saying how many (before: an ERROR line each, naming every holder)."""
+    producer = Producer(NestedLoader(3), name=name, slots=2, replay=0)
+    with serving(producer, epochs=1) as (_, errors):
+        sock = dealer(producer.endpoint)
+        try:
+            sock.send(protocol.encode(Kind.HELLO, **hello(label="repeater", check_writes=True)))
+            receive(sock, {Kind.WELCOME})
+            _, batch = receive(sock, {Kind.BATCH}, timeout=10)
+            report = protocol.encode(
+                Kind.MODIFIED, seq=batch["seq"], epoch=batch["epoch"], index=batch["index"]
+            )
+            for _ in range(2000):
+                sock.send(report)
+            sock.send(b"")  # a bad message: once it is counted, every report before was read
+            wait_until(lambda: producer.status()["bad_messages"] == 1, 30, "the reports to be read")
+            lines = [r.getMessage() for r in caplog.records if "changed in shared memory" in r.getMessage()]
+            assert len(lines) == 22 and "consumer 'repeater'" in lines[0]
+            assert "2000 such reports from it so far" in lines[-1]
+            assert [c["label"] for c in producer.status()["consumers"]] == ["repeater"]  # (still joined)
+            sock.send(protocol.encode(Kind.BYE, epoch_done=None))
+        finally:
+            sock.close(0)
+    assert errors == []
+
+
 def test_peers_that_never_read_their_replies_cost_bounded_memory(name, caplog):
     """Two raw peers send STATUS requests and read none of the replies: the producer keeps
     at most QUEUE_PER_PEER messages for each (its ZeroMQ queue) instead of all of them. The

@@ -29,6 +29,7 @@ from .room import check_group_fits, evict_group_that_does_not_fit
 from .session_turns import HANDOVER, publisher_turn
 from .sessions import QUEUE_PER_PEER, Sessions, send_zmq
 from .shared import ROUTINE, TICK, TICK_MS, Peer, Shared, heartbeat_every
+from .writes import report_modified
 
 log = logging.getLogger("tensorsocket")
 
@@ -231,14 +232,7 @@ class IoLoop:
         elif kind is Kind.BYE:
             self.drop(cid, "left", said=msg["epoch_done"])
         elif kind is Kind.MODIFIED:
-            if msg["seq"] not in shared.flow.consumers[cid].held:  # (sent before that batch's RELEASE)
-                raise ProtocolError(f"MODIFIED names batch {msg['seq']}, which this consumer does not hold")
-            log.error(
-                "%s reports batch %d (epoch %d, index %d) changed in shared memory while it held it; "
-                "held by %s, any of which may have written it: an in-place op on a shared batch "
-                "corrupts every consumer's data; use copy=True or out-of-place ops",
-                peer.describe(), msg["seq"], msg["epoch"], msg["index"], holders_of(self.shared, cid, msg["seq"]),
-            )  # fmt: skip
+            report_modified(shared, cid, peer, msg)
         else:
             raise ProtocolError(f"a consumer may not send {kind.value} messages")
 
@@ -382,13 +376,6 @@ def position(stream: str, resume: list[Any] | None) -> tuple[tuple[int, int] | N
     if resume is None or resume[0] != stream:
         return None, False
     return (resume[1], resume[2]), resume[3]
-
-
-def holders_of(shared: Shared, cid: Hashable, seq: int) -> str:
-    """Who holds batch ``seq`` besides ``cid`` (which reports it): their descriptions (lock held)."""
-    place = shared.flow.consumers[cid].held.get(seq)
-    holders = shared.flow.holders(place) if place is not None else frozenset((cid,))
-    return ", ".join(sorted(shared.peers[h].describe() for h in holders if h in shared.peers))
 
 
 def _turn_left_ms(shared: Shared) -> int:

@@ -82,6 +82,7 @@ class Peer:
     last_sent: float = 0.0
     transport: str = "shm"  # the transport it reads batches through (the store's admit says)
     check_writes: bool = False  # it checks each batch's fingerprint at release
+    modified: int = 0  # the MODIFIED reports it sent (producer/writes.py)
     counted: bool = False  # the state file counted it among those a successor waits for (resume)
     # its STATS reports, the last few seconds of them
     stats: collections.deque[Report] = field(default_factory=lambda: collections.deque(maxlen=32))
