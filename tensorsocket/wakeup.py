@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
+from collections.abc import Callable
 
 
 def _close_fds(*fds: int) -> None:
@@ -57,3 +58,15 @@ def stop_loop(stop: threading.Event, wakeup: Wakeup, thread: threading.Thread, t
     # (a thread not started yet, its start() cut short by Ctrl-C, stops as it begins)
     if thread is not threading.current_thread() and thread.ident is not None:
         thread.join(timeout=timeout)
+
+
+def done_whole(step: Callable[[], None]) -> None:
+    """Run ``step`` (a stop and free, idempotent) to its end, again whenever a Ctrl-C cuts it
+    short: for a constructor's clean-up after its own failure, which nothing can finish later
+    (there is no object to close), so a second Ctrl-C must not leave a thread serving unseen."""
+    while True:
+        try:
+            step()
+            return
+        except KeyboardInterrupt:
+            continue

@@ -8,13 +8,14 @@ import _thread
 import signal
 import sys
 import threading
+import time
 import weakref
 from typing import Any
 
 import pytest
 
 from tensorsocket import Consumer, Producer, ProducerLost, protocol
-from tensorsocket.consumer import delivery, handshake, inbox, iteration, link
+from tensorsocket.consumer import delivery, handshake, inbox, io_loop, iteration, link
 from tensorsocket.protocol import Kind
 from tests.support import NestedLoader, expected_batch, same, serving, wait_until
 
@@ -415,6 +416,71 @@ def test_ctrl_c_as_a_consumer_joins_leaves_no_consumer_joined(name, monkeypatch,
         monkeypatch.setattr(handshake, "outcome", outcome)
         assert _consumer_io_threads() == []
         _takes_every_batch(name, batches)
+        thread.join(timeout=30)
+    assert errors == []
+
+
+def test_a_second_ctrl_c_in_the_constructors_clean_up_leaves_no_consumer_joined(name, monkeypatch):
+    """Before: a second Ctrl-C as Consumer() stopped its I/O thread after the first (here as
+    that stop began) left the thread going on: it joined and stayed joined, a consumer nobody
+    could close, and under ``stall`` the other consumers waited for ever. Now the clean-up is
+    done whole and the first Ctrl-C is raised."""
+    batches = 6
+
+    def interrupted(*args: Any) -> Any:
+        raise KeyboardInterrupt
+
+    # (the default replay budget: the epoch may have begun for the interrupted consumer, and
+    # the other, a late joiner then, replays it from its first batch)
+    producer = Producer(NestedLoader(batches), name=name, slots=2)
+    with serving(producer, epochs=1) as (thread, errors):
+        monkeypatch.setattr(handshake, "outcome", interrupted)
+        armed = [True]
+        sys.settrace(_interrupt_on_entering(io_loop.stop_unbegun.__code__, armed))
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                Consumer(name=name, label="interrupted", timeout=3)
+        finally:
+            sys.settrace(None)
+        monkeypatch.undo()
+        assert not armed[0] and _consumer_io_threads() == []
+        _takes_every_batch(name, batches)
+        thread.join(timeout=30)
+    assert errors == []
+
+
+def test_a_consumer_thread_stopped_before_it_began_never_joins(name, monkeypatch):
+    """Ctrl-C can cut Thread.start() short after the new thread exists but before it runs: it
+    has no ident yet, so Consumer()'s clean-up cannot join it, and it ran later. Before, it then
+    connected and joined the producer, unseen. Now one that begins after the stop does nothing."""
+    run, connect, connected = io_loop.run, handshake.connect, []
+
+    def late(shared: Any, *args: Any) -> None:  # scheduled only once Consumer() stopped it
+        deadline = time.monotonic() + 10
+        while not shared.stop.is_set() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        run(shared, *args)
+
+    def interrupted(*args: Any) -> Any:
+        raise KeyboardInterrupt
+
+    def counted(*args: Any) -> Any:
+        connected.append(args)
+        return connect(*args)
+
+    producer = Producer(NestedLoader(4), name=name, slots=2, replay=0)
+    with serving(producer, epochs=1) as (thread, errors):
+        monkeypatch.setattr(io_loop, "run", late)
+        monkeypatch.setattr(handshake, "outcome", interrupted)
+        monkeypatch.setattr(handshake, "connect", counted)
+        with pytest.raises(KeyboardInterrupt):
+            Consumer(name=name, label="interrupted", timeout=3)
+        for io in _consumer_io_threads():
+            io.join(timeout=10)
+        monkeypatch.undo()
+        assert connected == [] and _consumer_io_threads() == []
+        assert producer.status()["consumers"] == []
+        _takes_every_batch(name, 4)
         thread.join(timeout=30)
     assert errors == []
 

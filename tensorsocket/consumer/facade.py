@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import faulthandler
+import functools
 import logging
 import os
 import queue
@@ -24,7 +25,7 @@ from ..options import is_seconds
 from ..rebatch import Rebatcher, batches_per_epoch
 from ..transport import parse_device
 from ..transport.device import check_visible
-from ..wakeup import stop_loop
+from ..wakeup import done_whole, stop_loop
 from . import handshake, io_loop, resume
 from .iteration import Batches, EpochIterator
 from .resume import Position
@@ -186,7 +187,7 @@ class Consumer:
         except BaseException:
             # Ctrl-C as it waited, say: the thread would go on, join, and stay joined for the
             # process's life, unseen (no Consumer to close), stalling every other consumer
-            stop_loop(shared.stop, shared.wakeup, self._io)
+            done_whole(functools.partial(io_loop.stop_unbegun, shared, self._io))
             raise
 
     def _joined(self, shared: Shared, settings: Settings, restored: Position | None, joined: Any) -> None:

@@ -23,7 +23,7 @@ from ..pooled_collate import LoaderPool
 from ..rebatch import batch_length
 from ..status import ProducerStatus
 from ..transport import Store, open_store
-from ..wakeup import Wakeup, stop_loop
+from ..wakeup import Wakeup, done_whole, stop_loop
 from . import restart, successor
 from .io_loop import IoLoop
 from .publisher import Publisher
@@ -137,13 +137,7 @@ class Producer:
             with self._shared.changed:  # (after the publisher: the WELCOMEs say whom it waits for)
                 successor.settle(self._shared, resumed, tracker)
         except BaseException:  # (Ctrl-C, say: else the I/O thread would serve the name on, unseen)
-            # Done whole even if a second Ctrl-C lands in it: there is no object to close later
-            while True:
-                try:
-                    self._stop_and_free()
-                    break
-                except KeyboardInterrupt:
-                    continue
+            done_whole(self._stop_and_free)
             raise
         self._closed = False
         # If close() is never called (a script without `with` that raises): at exit, stop the
