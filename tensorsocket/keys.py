@@ -145,12 +145,21 @@ def _nothing() -> None:
 
 def client_keys(where: Path | None) -> tuple[bytes, bytes, bytes] | None:
     """A client's (producer public, consumer public, consumer secret) keys from ``where``, or None
-    for a plain client (None given: the endpoint is on loopback). KeysError if they are missing."""
+    for a plain client (None given: the endpoint is on loopback). KeysError if they are missing,
+    or if others may read the secret (only its mode is checked: a copy in a container may
+    belong to another uid)."""
     if where is None:
         return None
     server, _ = _load(where, _PRODUCER, secret=False)
     public, secret = _load(where, _CONSUMER, secret=True)
     assert secret is not None  # (_load checked it)
+    path = where / f"{_CONSUMER}.key_secret"
+    mode = path.stat().st_mode & 0o777
+    if mode & 0o077:  # (as ssh refuses an unprotected private key)
+        raise KeysError(
+            f"{path} may be read or written by other users (mode {oct(mode)}): whoever reads it can join "
+            f"the producer as a consumer; chmod 600 {path}"
+        )
     return server, public, secret
 
 

@@ -150,6 +150,22 @@ def test_a_consumer_without_keys_fails_at_construction_naming_the_folder(tmp_pat
         query_status("tcp://192.0.2.1:5555", timeout=30)
 
 
+def test_a_consumer_refuses_a_secret_key_others_may_read(tmp_path, monkeypatch):
+    """As ssh refuses an unprotected private key: whoever reads it can join as a consumer. Only
+    the secret's mode counts (a copy in a container may belong to another uid)."""
+    where = tmp_path / "keys"
+    keys.ensure(where)
+    secret = where / "consumer.key_secret"
+    secret.chmod(0o644)
+    monkeypatch.setenv(keys.ENV, str(where))
+    with pytest.raises(keys.KeysError, match=r"consumer.key_secret may be read .*mode 0o644.*chmod 600"):
+        Consumer(endpoint="tcp://192.0.2.1:5555", timeout=30)
+    with pytest.raises(RuntimeError, match="chmod 600"):
+        query_status("tcp://192.0.2.1:5555", timeout=30)
+    secret.chmod(0o600)
+    assert keys.client_keys(where) is not None
+
+
 SCENARIO = """
 import json, os, sys, threading, time
 from pathlib import Path
