@@ -108,8 +108,9 @@ class Replaying:
         holds a batch some consumer holds; else None. Consumers that each keep a few batches (a
         loop left early, gradient accumulation) can hold every place between them, none of them
         all it may hold, and then none of them could ever be sent another batch. The producer
-        asks only once every consumer has waited a while for one (``producer/stuck.py``): a
-        consumer that is merely slow lets go. The places so grow rarely, by one, and never past
+        asks only once every consumer has waited a while for one (``producer/stuck.py``; under
+        skip, one consumer: stragglers' held batches must not pace it): a consumer that is
+        merely slow lets go. The places so grow rarely, by one, and never past
         what the consumers may hold (their ``prefetch``) plus one."""
         if not self.every_place_held():
             return None

@@ -488,9 +488,63 @@ def test_consumers_that_hold_every_place_between_them_while_all_wait_get_one_mor
     assert got == list(range(batches)) * 2
     assert reports == {"broke": list(range(6)), "next epoch": list(range(batches))}, reports
     assert (
-        "by consumers that all waited for the next batch" in caplog.text
+        "by consumers all waiting for the next batch" in caplog.text
         and "one place more, 5 now" in caplog.text
     )
+
+
+def test_under_skip_stragglers_holding_every_place_do_not_pace_the_leader(name, caplog):
+    """stragglers="skip" promises that a straggler's held batches never pace the others. Three
+    trainers that stop in turn (an evaluation, a checkpoint), each holding what its loop and
+    queue hold (2 batches), hold all 3 x slots = 6 places between them. Before: the leading
+    trainer then waited until they went on (a fuzzing helper saw 8.8 s; here, until their 20 s
+    stop ended). Now the producer adds places while it waits, and every trainer's batches seen
+    plus skipped are the epoch, each once."""
+    caplog.set_level(logging.INFO, logger="tensorsocket")
+    batches = 60
+    loader = [torch.full((4, 8), float(i)) for i in range(batches)]
+    producer = Producer(loader, name=name, slots=2, max_lag=1, stragglers="skip", replay=0, min_consumers=4)
+    server = serving(producer, epochs=1)
+    go_on = threading.Event()  # the stragglers' stop ends
+    seen: dict[str, list[int]] = {}
+    skipped: dict[str, int] = {}
+    stopped: list[str] = []  # the stragglers in their stop
+    stopped_as_the_leader_ended: list[list[str]] = []
+
+    def train(label: str, stop_at: int | None) -> None:
+        seen[label] = []
+        with Consumer(name=name, timeout=30, label=label) as consumer:
+            for batch in consumer:
+                seen[label].append(int(batch[0, 0]))
+                if len(seen[label]) == stop_at:
+                    stopped.append(label)
+                    go_on.wait(20)  # (holding this batch and the one queued after it)
+                    stopped.remove(label)
+                time.sleep(0.005)
+            skipped[label] = consumer.skipped
+        if stop_at is None:
+            stopped_as_the_leader_ended.append(sorted(stopped))
+
+    trainers = {"leader": None, "first": 3, "second": 7, "third": 11}
+    threads = [threading.Thread(target=train, args=item, daemon=True) for item in trainers.items()]
+    try:
+        for t in threads:
+            t.start()
+        threads[0].join(40)
+        go_on.set()
+        for t in threads:
+            t.join(40)
+        assert not any(t.is_alive() for t in threads), seen
+    finally:
+        go_on.set()
+        producer.close()
+        server.join(timeout=30)
+    assert stopped_as_the_leader_ended == [["first", "second", "third"]], (
+        "the leader waited for the stragglers"
+    )
+    for label in trainers:
+        assert seen[label] == sorted(set(seen[label])) and len(seen[label]) + skipped[label] == batches, label
+    assert "with a consumer waiting for the next batch (stragglers=skip" in caplog.text
 
 
 def test_a_consumer_that_is_only_slow_gets_no_more_places(name, caplog):

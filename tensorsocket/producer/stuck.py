@@ -10,7 +10,8 @@ nobody would ever let go. The producer cannot see what a consumer's code holds o
 does see each consumer's STATS (every second, with the time it has spent waiting in
 ``next()``): once every consumer has waited the whole while, the producer adds a place
 (:meth:`tensorsocket.flow.Flow.grow_for_next`). A consumer that is only slow (a training step
-holding its batches) is not waiting, and the producer waits for it as before.
+holding its batches) is not waiting, and the producer waits for it as before, under ``stall``;
+under ``skip`` one waiting consumer is enough (:meth:`Stuck._all_waiting`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 
 from .retention import GROW_AFTER
 from .room import room_to_grow
-from .shared import Shared
+from .shared import Peer, Shared
 
 log = logging.getLogger("tensorsocket")
 
@@ -41,8 +42,8 @@ class Stuck:
     def reserve(self) -> int | None:
         """A place for the next batch (:meth:`Flow.reserve`); if the flow has none, a new one,
         reserved, once every place has been held for :data:`GROW_AFTER` seconds while every
-        consumer waited for a batch and the memory holds one more; else None (the producer
-        waits on)."""
+        consumer (under ``skip``, one) waited for a batch and the memory holds one more; else
+        None (the producer waits on)."""
         shared = self.shared
         place = shared.flow.reserve()  # (every batch: nothing else here runs then)
         if place is not None or not shared.flow.every_place_held():
@@ -53,44 +54,49 @@ class Stuck:
             self.since = now
         if now - self.since < GROW_AFTER or not self._all_waiting(now):
             return None
+        if shared.flow.max_lag is None:
+            held = "by consumers all waiting for the next batch (they keep references to earlier ones)"
+        else:  # (skip)
+            held = "with a consumer waiting for the next batch (stragglers=skip: what the others hold must not pace it)"
         short = room_to_grow(shared)
         if short is not None:
             if not self.said:
                 self.said = True
-                log.error(
-                    "every place is held by consumers that all wait for the next batch (they keep "
-                    "references to earlier ones), and %s; they wait until one of them lets go",
-                    short,
-                )
+                log.error("every place is held %s, and %s; it waits until a place is let go", held, short)
             return None
         place = shared.flow.grow_for_next()
         if place is not None:
             log.info(
-                "every place was held for %.1f s by consumers that all waited for the next batch "
-                "(keeping references to earlier ones): one place more, %d now",
-                now - self.since, shared.flow.place_count,
+                "every place was held for %.1f s %s: one place more, %d now",
+                now - self.since, held, shared.flow.place_count,
             )  # fmt: skip
             self.since = None
         return place
 
     def _all_waiting(self, now: float) -> bool:
-        """Every consumer not finished waited in ``next()`` all along since the places ran out,
-        by its STATS (the newest recent, none older than a second before that)."""
-        flow, since = self.shared.flow, self.since
-        assert since is not None
-        for cid, peer in self.shared.peers.items():
-            state = flow.consumers.get(cid)
-            if state is None or state.finished:
-                continue
-            reports = [r for r in peer.stats if r[0] >= since - 1.0]
-            if len(reports) < 2:
-                return False
-            (t0, _, _, w0), (t1, _, _, w1) = reports[0], reports[-1]
-            if (
-                now - t1 > 2.0
-                or t1 - since < SPAN / 2
-                or t1 - t0 < SPAN
-                or w1 - w0 < WAITED_SHARE * (t1 - t0)
-            ):
-                return False
-        return True
+        """Under ``stall``: every consumer not finished waited in ``next()`` all along since the
+        places ran out. Under ``skip``: one of them did. What others hold must not pace it there
+        (several stragglers, each holding all it may at its own point, can hold every place),
+        so the places grow while it waits, never past what the consumers may hold, plus one.
+        A consumer that waited has nothing unsent: the window is open, so it needs a place."""
+        waited = [self._waited(peer, now) for cid, peer in self.shared.peers.items() if self._serving(cid)]
+        return any(waited) if self.shared.flow.max_lag is not None else all(waited)
+
+    def _serving(self, cid: object) -> bool:
+        state = self.shared.flow.consumers.get(cid)
+        return state is not None and not state.finished
+
+    def _waited(self, peer: Peer, now: float) -> bool:
+        """Did ``peer`` wait all along since :attr:`since`, by its STATS (the newest recent, none
+        older than a second before that)?"""
+        assert self.since is not None
+        reports = [r for r in peer.stats if r[0] >= self.since - 1.0]
+        if len(reports) < 2:
+            return False
+        (t0, _, _, w0), (t1, _, _, w1) = reports[0], reports[-1]
+        return not (
+            now - t1 > 2.0
+            or t1 - self.since < SPAN / 2
+            or t1 - t0 < SPAN
+            or w1 - w0 < WAITED_SHARE * (t1 - t0)
+        )
