@@ -5,6 +5,7 @@ reconnect= ride through, exactly once. Real processes: the producer is ``tensors
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import signal
@@ -523,6 +524,16 @@ def test_a_point_taken_before_a_join_does_not_undo_the_joiners_write(tmp_path):
     assert restart.read(tracker.path).point.index == 4
 
 
+def _with_a_bad_python_rng_state(path: Any) -> None:
+    """Readable, but random.setstate refuses its Python generator's state (a fuzzing helper
+    found its ValueError did not name the file)."""
+    state = restart.read(path)
+    rng = {**state.point.rng, "python": [3, [1, 2], None]}
+    restart.write(
+        path, restart.encode(dataclasses.replace(state, point=dataclasses.replace(state.point, rng=rng)))
+    )
+
+
 @pytest.mark.parametrize(
     "damage, message",
     [
@@ -533,8 +544,9 @@ def test_a_point_taken_before_a_join_does_not_undo_the_joiners_write(tmp_path):
             "not a readable producer state",
         ),
         (lambda p: torch.save(_Hostile(), p), "not a readable producer state"),
+        (_with_a_bad_python_rng_state, "state vector is the wrong size"),  # (random.setstate's words)
     ],
-    ids=["garbage", "foreign", "truncated", "hostile"],
+    ids=["garbage", "foreign", "truncated", "hostile", "bad-rng"],
 )
 def test_a_damaged_state_file_is_refused_by_name_and_never_resumed(name, damage, message, tmp_path):
     path = _state_of_a_run(name, restart_pipeline.seeded(), 5)

@@ -173,8 +173,10 @@ def applying(path: Path) -> Iterator[None]:
     are its own): what fails is a StateFileError naming the file, never a wrong resume."""
     try:
         yield
-    except ValueError as exc:  # (its own ValueErrors say what is wrong already)
-        said = str(exc) if "fresh stream" in str(exc) else f"{exc}: remove it to begin a fresh stream"
+    except ValueError as exc:  # (its own say what is wrong; others, random.setstate's, need the file named)
+        said = str(exc) if str(path) in str(exc) else f"the state file {path}: {exc}"
+        if "fresh stream" not in said:
+            said += ": remove it to begin a fresh stream"
         raise StateFileError(said) from None
     except (TypeError, AttributeError, KeyError, IndexError, RuntimeError) as exc:
         raise StateFileError(
