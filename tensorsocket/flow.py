@@ -252,7 +252,7 @@ class Flow(Replaying):
         ready: bool,
         rejoined: bool,
     ) -> list[Action]:
-        group = self._forming.add(cid, member, policy.value, self.window, self.max_lag is None)
+        group = self._forming.add(cid, member, policy.value, self.window, self.max_lag is None, rejoined)
         end = self.next_seq - 1 if self.ended else None  # the stream ended: it gets END, nothing to wait for
         self.consumers[cid] = ConsumerState(
             prefetch, end, policy, group=group, rank=member.rank, at=at, ready=ready, rejoined=rejoined
@@ -334,6 +334,12 @@ class Flow(Replaying):
             else:  # sent the rest of that epoch: _deliver cuts it after the epoch's end
                 out.extend(self._deliver(other_cid, other))
         return out
+
+    def break_unrejoined(self) -> list[Action]:
+        """A successor starts: a group still waiting for a rank that did not rejoin breaks, as if
+        that rank left mid-epoch (:meth:`Forming.give_up`), rather than wait to the stream's end."""
+        gone = self._forming.give_up(lambda cid: self.consumers[cid].rejoined)
+        return [a for g in gone for c in g.members.values() for a in self._cut(c, self.consumers[c])]
 
     def _cut(self, cid: Hashable, state: ConsumerState) -> list[Action]:
         """``cid``'s group broke: it is sent nothing more and no longer paces the producer."""

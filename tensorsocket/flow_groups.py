@@ -89,6 +89,18 @@ class GroupBroken:
     until: int | None
 
 
+@dataclass(frozen=True)
+class NotRejoined:
+    """The ``lost`` of a :class:`GroupBroken` whose rank never rejoined a restarted producer
+    (there is no consumer to name)."""
+
+    group: str
+    rank: int
+
+    def __str__(self) -> str:
+        return "did not rejoin the restarted producer within its wait"
+
+
 class Unsaid(Enum):
     """The type of :data:`UNSAID`."""
 
@@ -171,9 +183,19 @@ class Forming:
     def __init__(self) -> None:
         self.groups: dict[str, Group] = {}
         self.places = 0
+        self.unrejoined: dict[str, int] = {}  # group -> the rank that did not rejoin (give_up)
 
-    def add(self, cid: Hashable, member: Membership, policy: str, window: int, stall: bool) -> Group:
-        """Record ``cid`` as a member (ValueError as :meth:`check`); the group it joined."""
+    def add(
+        self, cid: Hashable, member: Membership, policy: str, window: int, stall: bool, rejoined: bool = False
+    ) -> Group:
+        """Record ``cid`` as a member (ValueError as :meth:`check`, or for a rank rejoining a
+        group given up: :meth:`give_up`); the group it joined."""
+        if rejoined and member.group in self.unrejoined:
+            raise ValueError(
+                f"group {member.group!r} broke as the producer restarted: rank {self.unrejoined[member.group]} "
+                "did not rejoin within its wait, and the stream went on. Restart the job as a whole "
+                "(torchrun's elastic restart does) to join again as a new group"
+            )
         group = self.check(member, policy, window, stall)
         group.members[member.rank] = cid
         self.groups[member.group] = group
@@ -226,6 +248,22 @@ class Forming:
         if self.groups.get(group.name) is group:
             del self.groups[group.name]
         group.started = True
+
+    def give_up(self, rejoined: Callable[[Hashable], bool]) -> list[Group]:
+        """A successor starts publishing: the forming groups its predecessor served (a member
+        ``rejoined``) that still lack a rank will never start, as that rank did not rejoin in
+        time and the stream goes on past it. Each is marked lost for that rank, taken out, and
+        remembered, so that rank, rejoining later, is refused rather than waiting alone."""
+        gone = []
+        for group in list(self.groups.values()):
+            if len(group.members) == group.size or not any(rejoined(c) for c in group.members.values()):
+                continue
+            rank = min(set(range(group.size)) - group.members.keys())
+            group.lost, group.until = (rank, NotRejoined(group.name, rank)), None
+            del self.groups[group.name]
+            self.unrejoined[group.name] = rank
+            gone.append(group)
+        return gone
 
     def forget(self, group: Group, rank: int, cid: Hashable) -> None:
         """A member of a forming group left: one rank fewer."""

@@ -21,7 +21,7 @@ from tensorsocket.flow import (
     Membership,
     Tail,
 )
-from tensorsocket.flow_groups import nearer, past_end_of, sent_before, until_epoch
+from tensorsocket.flow_groups import NotRejoined, nearer, past_end_of, sent_before, until_epoch
 from tensorsocket.flow_invariants import check_invariants
 
 BATCH, EPOCH_END, END = EntryKind.BATCH, EntryKind.EPOCH_END, EntryKind.END
@@ -295,6 +295,34 @@ def test_members_waiting_for_the_next_epoch_when_a_rank_leaves_are_sent_nothing_
     out = flow.publish(flow.reserve(), 6) + flow.publish(flow.reserve(), 7) + flow.end_epoch("end")
     out += flow.publish(flow.reserve(), 8) + flow.publish(flow.reserve(), 9)
     assert [a for a in out if a.consumer == "b"] == []
+
+
+def test_a_group_missing_a_rank_as_a_successor_starts_is_broken_and_that_rank_refused_later():
+    """A successor continues epoch 0 at batch 6; rank 0 of job rejoined, rank 1 did not within
+    the successor's wait. Before: the group stayed forming to the end of the stream and rank 0
+    got END, its epochs cut short as if whole. Now, as the successor starts, rank 0 is told its
+    group broke, naming rank 1; rank 1 rejoining later is refused; a new job of that name (not
+    rejoining) forms as usual, and a group of new members is not given up."""
+    flow = Flow(window=4, places=8)
+    flow.start_at(0, 0, 6)
+    flow.join("a", 2, member=Membership("job", 0, 2), at=(0, 6), rejoined=True)
+    flow.join("n", 2, member=Membership("new", 0, 2))  # (forming, no rank rejoined: it waits on)
+    out = flow.break_unrejoined()
+    assert out == [GroupBroken("a", "job", 1, NotRejoined("job", 1), until=None)]
+    assert flow.consumers["a"].broken and not flow.consumers["n"].broken
+    check_invariants(flow)
+    with pytest.raises(
+        ValueError, match="group 'job' broke as the producer restarted: rank 1 did not rejoin"
+    ):
+        flow.join("b", 2, member=Membership("job", 1, 2), at=(0, 6), rejoined=True)
+    assert "b" not in flow.consumers
+    flow.join("c", 2, member=Membership("job", 0, 2))
+    flow.join("d", 2, member=Membership("job", 1, 2))
+    assert not flow.consumers["c"].forming and not flow.consumers["c"].broken
+    out = flow.publish(flow.reserve(), 6)
+    assert {a.consumer for a in out if isinstance(a, Deliver)} <= {"c", "d"}
+    assert flow.break_unrejoined() == []
+    check_invariants(flow)
 
 
 @pytest.mark.parametrize(

@@ -66,17 +66,23 @@ def _trainers_4_batches_in(
     trainers = {label: SPAWN.Process(target=_trainer, args=(name, label, out, options)) for label in labels}
     for p in trainers.values():
         p.start()
+    _wait_for_the_state_file(name, len(labels), f"the trainers {labels} to receive 4 batches")
+    return first, trainers
+
+
+def _wait_for_the_state_file(name: str, consumers: int, what: str) -> None:
+    """Until ``name``'s state file names a restart point at batch 4 or later and ``consumers``
+    consumers a successor waits for."""
     state = restart.state_path(endpoint.resolve(name))
     wait_until(
         lambda: (
             state.exists()
             and restart.read(state).point.index >= 4
-            and restart.read(state).consumers == len(labels)
+            and restart.read(state).consumers == consumers
         ),
         60,
-        f"the trainers {labels} to receive 4 batches",
+        what,
     )
-    return first, trainers
 
 
 def _joins(log: Any) -> int:
@@ -474,14 +480,7 @@ def test_a_trainer_in_another_pid_namespace_rejoins_a_successor_that_bound_befor
     command = ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", _NAMESPACED_TRAINER, name]
     trainer = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        state = restart.state_path(endpoint.resolve(name))
-        wait_until(
-            lambda: (
-                state.exists() and restart.read(state).point.index >= 4 and restart.read(state).consumers == 1
-            ),
-            60,
-            "the trainer to receive 4 batches",
-        )
+        _wait_for_the_state_file(name, 1, "the trainer to receive 4 batches")
         die.set()
         first.join(timeout=60)
         assert first.exitcode == -signal.SIGKILL
@@ -543,3 +542,55 @@ def test_a_trainer_frozen_with_a_batch_unread_when_its_producer_died_rejoins_fro
     assert result["seen"] == expected and result["missed"] is None, _first_difference(
         result["seen"], expected
     )
+
+
+def test_a_group_rank_that_does_not_rejoin_the_successor_breaks_its_group(name, tmp_path):
+    """A group of 2 ranks; its producer is SIGKILLed, then rank 1 dies before the successor is
+    up. Before: rank 0 rejoined, its group waited for rank 1 to the end of the stream, and rank
+    0 ended cleanly, its epochs cut short as if whole (a chaos helper saw [12, 7, 0, 0] of 4
+    epochs of 24; in a group of 4, unequal shares: DDP's all-reduces would not line up). Now
+    when the successor starts without rank 1 (its wait for rejoins, --grace 2 here), rank 0
+    gets GroupBroken naming the rank that did not rejoin."""
+    die, out = SPAWN.Event(), SPAWN.Queue()
+    first = SPAWN.Process(target=_publish_10_then_die, args=(name, die))
+    first.start()
+    ranks = [
+        SPAWN.Process(
+            target=_trainer, args=(name, f"rank{r}", out, {"group": "job", "rank": r, "world_size": 2})
+        )
+        for r in (0, 1)
+    ]
+    for p in ranks:
+        p.start()
+    _wait_for_the_state_file(name, 2, "both ranks to receive batches")
+    log, second = tmp_path / "producer.log", None
+    try:
+        die.set()
+        first.join(timeout=60)
+        assert first.exitcode == -signal.SIGKILL
+        os.kill(ranks[1].pid, signal.SIGKILL)
+        ranks[1].join(timeout=30)
+        second = _serve(name, "seeded", log, ("--grace", "2"))
+        result = out.get(timeout=120)
+    finally:
+        if second is not None:
+            second.kill()
+            second.wait()
+        for p in ranks:
+            p.join(timeout=30)
+            if p.is_alive():  # (before: rank 0 waited for ever)
+                p.kill()
+    assert result["options"]["label"] == "rank0", result
+    assert result.get("error", "").startswith("GroupBroken: "), (result, log.read_text()[-3000:])
+    assert "rank 1 of group 'job' (did not rejoin the restarted producer within its wait)" in result["error"]
+    assert f"'rank0' (pid {ranks[0].pid}) rejoined (" in log.read_text()
+
+
+def _publish_10_then_die(name: str, die: Any) -> None:
+    """A resumable producer that publishes 10 batches, then waits for ``die`` and SIGKILLs
+    itself (each rank of a group of 2 holds a batch of the last round as it waits for more)."""
+    producer = Producer(restart_pipeline.seeded(delay=0.03), name=name, resume=True, slots=8)
+    for n, _ in enumerate(producer, 1):
+        if n == 10:
+            die.wait(60)
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -14,7 +14,7 @@ MAX_LINES = 400
 # they move; the groups' pure rules are in flow_groups.py, its invariants in flow_invariants.py.
 LIMITS = {"flow.py": 700}
 # The consumer's I/O thread also rejoins a restarted producer: the socket it replaces is its own.
-CLASS_LIMITS = {"Flow": 530, "ConsumerIo": 330}
+CLASS_LIMITS = {"Flow": 540, "ConsumerIo": 330}
 
 
 # Being split along their threads (issue 12): drop these entries once they are packages.

@@ -15,6 +15,7 @@ from typing import Any
 from .. import layout, layout_table, pooled_collate, protocol
 from ..errors import Closed, IoThreadDied
 from ..protocol import Kind
+from . import successor
 from .io_loop import IoLoop
 from .restart import Resumed, Tracker, content_fingerprint, rejoined
 from .retention import Kept, Replay
@@ -80,6 +81,7 @@ class Publisher:
                 self.wait(lambda: shared.flow.serving() >= 1, None, "a consumer to join")
         else:
             self.wait(self._may_start, None, self._awaited())
+            successor.give_up_groups(shared, self.rejoiners)
         t0 = time.perf_counter()
         assert self.loader_iter is not None
         self.pool.before_pull()  # (the batch before is written, and maybe dropped by our caller)
@@ -220,7 +222,7 @@ class Publisher:
             return True
         return (
             self.grace is not None
-            and serving > 0
+            and (serving > 0 or self.rejoiners > 0)  # (a successor: a group a rank did not rejoin is told)
             and shared.first_join is not None
             and time.monotonic() - shared.first_join >= self.grace
         )

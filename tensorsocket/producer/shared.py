@@ -47,6 +47,7 @@ from typing import Any
 
 from .. import gpu_memory, protocol
 from ..flow import Action, Deliver, Flow, GroupBroken, Skipped
+from ..flow_groups import NotRejoined
 from ..layout import Plan
 from ..layout_table import LayoutTable
 from ..protocol import Kind
@@ -243,7 +244,9 @@ class Shared:
         return self.taken, flow.keep_from(), rejoinable(flow), self.joins
 
     def _group_broken(self, action: GroupBroken) -> bytes:
-        who = self.departed.get(action.lost, "left")
+        who = self.departed.get(
+            action.lost, str(action.lost) if isinstance(action.lost, NotRejoined) else "left"
+        )
         when = "mid-epoch" if action.until is None else f"after the end of epoch {action.until}"
         reason = (
             f"rank {action.rank} of group {action.group!r} ({who}) {when}: the group's ranks can no "

@@ -165,3 +165,12 @@ def settle(shared: Shared, resumed: restart.Resumed | None, tracker: restart.Tra
     shared.tracker = tracker
     shared.preparing = None
     shared.wakeup.wake()
+
+
+def give_up_groups(shared: Shared, rejoiners: int) -> None:
+    """The successor's first batch, once it waited for its predecessor's consumers (``rejoiners``,
+    0 for any other producer): a group still waiting for a rank that did not rejoin is told it
+    broke (:meth:`Flow.break_unrejoined`)."""
+    if rejoiners:
+        with shared.changed:
+            shared.send_all(shared.flow.break_unrejoined())
