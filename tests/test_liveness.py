@@ -197,6 +197,37 @@ def test_stopped_producer_is_lost_after_the_silence_timeout(name):
         assert tensorsocket_threads(threads) == []
 
 
+def test_a_trainer_whose_stopped_producer_goes_on_within_its_reconnect_is_told_it_gave_it_up(name):
+    """The producer is stopped past the trainer's timeout, then resumed within its ``reconnect``:
+    the trainer raises ProducerLost as soon as the producer answers (it cannot rejoin one it gave
+    up), not after timeout + reconnect. Before, its message still said the producer was stopped
+    and how to resume it (a chaos helper saw it), though it had just been resumed."""
+    batches, timeout = 50, 1.0
+    proc, ready = start_producer_process(name, batches, delay=0.05)
+    with reaped(proc):
+        pid = ready.get(timeout=60)
+        consumer = Consumer(name=name, timeout=timeout, reconnect=30)
+        try:
+            it = iter(consumer)
+            assert same(next(it), expected_batch(0, batches))
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(timeout + 1.5)  # (it gave the producer up, and waits for a successor)
+            os.kill(pid, signal.SIGCONT)
+            resumed = time.monotonic()
+            with pytest.raises(ProducerLost) as lost:
+                for _ in range(batches):
+                    next(it)
+            elapsed = time.monotonic() - resumed
+        finally:
+            consumer.close()
+        assert elapsed < 10, f"ProducerLost {elapsed:.1f} s after the producer went on"
+        message = str(lost.value)
+        assert (
+            f"(pid {pid}) sent nothing for 1 s (stopped or stalled), so this consumer gave it up" in message
+        )
+        assert "it answered again, but it cannot be rejoined" in message and "kill -CONT" not in message
+
+
 def test_a_stopped_producer_is_named_to_joiners_and_to_trainers_waiting_for_a_successor(name):
     """A producer that is stopped still holds its name, so no successor can come: a joiner, and
     a trainer that waited its ``reconnect`` for one, are told which process holds the name and

@@ -301,7 +301,14 @@ class ConsumerIo(Inbox):
             # Silent, not dead: our old connection is still registered there, and once it is
             # evicted the places under what we hold and have queued may be reused.
             self.link.send(self.shared.bye())
-            self.shared.fail(ProducerLost(f"{why}; it is still running, so this consumer cannot rejoin it"))
+            self.shared.fail(
+                ProducerLost(
+                    f"the producer at {self.endpoint} (pid {self.producer_pid}) sent nothing for "
+                    f"{self.settings.timeout:g} s (stopped or stalled), so this consumer gave it up; it answered "
+                    "again, but it cannot be rejoined (this consumer's old connection is still registered there, "
+                    "and the places under the batches it holds may be reused): a longer timeout rides out such pauses"
+                )
+            )
             return False
         if not self._same_stream(welcome):
             self.link.send(self.shared.bye())
