@@ -146,6 +146,7 @@ class Consumer:
             raise ValueError(
                 f"label must be a printable string of at most 128 characters, got {self.label!r}"
             )
+        key_folder = keys.client_folder(self.endpoint)
         settings = Settings(
             self.endpoint,
             self.label,
@@ -159,9 +160,9 @@ class Consumer:
             check_writes,
             membership,
             reconnect=float(reconnect),
-            key_folder=keys.client_folder(self.endpoint),
+            key_folder=key_folder,
+            curve_keys=keys.client_keys(key_folder),  # (read once, now: KeysError here, naming the folder)
         )
-        keys.client_keys(settings.key_folder)  # (checked now: KeysError at construction, naming the folder)
         self._rebatcher = rebatcher
         self._join(settings, None)
 

@@ -32,8 +32,7 @@ def connect(settings: Settings) -> tuple[zmq.Socket, zmq.Socket]:
     """A DEALER socket with a fresh identity, connecting (zmq retries until a producer binds),
     and the monitor that tells join() of each handshake with a producer (made first, so that
     it sees the first one), or of each that failed. A CURVE client where the endpoint is beyond
-    loopback (:mod:`tensorsocket.keys`: KeysError if its keys are missing)."""
-    client_keys = keys.client_keys(settings.key_folder)  # (read before a socket is made: none leaks)
+    loopback (:mod:`tensorsocket.keys`), with the keys read at construction."""
     identity = uuid.uuid4()
     socket = zmq.Context.instance().socket(zmq.DEALER)
     # (a name of its own: pyzmq's default is named by the socket's fd, which a later socket
@@ -46,7 +45,7 @@ def connect(settings: Settings) -> tuple[zmq.Socket, zmq.Socket]:
     socket.setsockopt(zmq.SNDHWM, 0)
     socket.setsockopt(zmq.RCVHWM, 0)
     socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_REPLY_BYTES)
-    keys.connect(socket, settings.endpoint, client_keys)
+    keys.connect(socket, settings.endpoint, settings.curve_keys)
     return socket, monitor
 
 

@@ -285,10 +285,10 @@ class ConsumerIo(Inbox):
             # raising ProducerLost after `timeout` (wait_checks.catch_up_after_freeze).
             self.shared.synced.set()
         log.warning("%s; waiting up to %g s for a producer to continue the stream", why, wait)
+        socket, monitor = handshake.connect(self.settings)
+        self.link = self.link.renewed(socket)
         at = self._ready_at(self.settings.resume)  # (a rejoin only after what it received)
         try:
-            socket, monitor = handshake.connect(self.settings)  # (KeysError: its key files went)
-            self.link = self.link.renewed(socket)
             welcome = handshake.join(socket, monitor, self.settings, at, wait, self.shared)
         except (ProducerLost, Refused, ProtocolError, ValueError) as exc:
             if self.shared.stop.is_set():

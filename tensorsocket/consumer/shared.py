@@ -72,6 +72,7 @@ class Settings:
     resume: tuple[str, int, int] | None = None  # a restored position: (stream, epoch, index)
     reconnect: float = 0.0  # seconds to wait for a successor when the producer is lost
     key_folder: Path | None = None  # CURVE keys (tensorsocket.keys): an endpoint beyond loopback
+    curve_keys: tuple[bytes, bytes, bytes] | None = None  # read from key_folder (keys.client_keys)
 
 
 class Sleeping:

@@ -79,10 +79,10 @@ class Stuck:
         (several stragglers, each holding all it may at its own point, can hold every place),
         so the places grow while it waits, never past what the consumers may hold, plus one.
         A consumer that waited has nothing unsent: the window is open, so it needs a place."""
-        waited = [self._waited(peer, now) for cid, peer in self.shared.peers.items() if self._serving(cid)]
+        waited = (self._waited(peer, now) for cid, peer in self.shared.peers.items() if self._unfinished(cid))
         return any(waited) if self.shared.flow.max_lag is not None else all(waited)
 
-    def _serving(self, cid: object) -> bool:
+    def _unfinished(self, cid: object) -> bool:
         state = self.shared.flow.consumers.get(cid)
         return state is not None and not state.finished
 
