@@ -41,6 +41,7 @@ from tests.test_restart import (
     EPOCHS,
     ROOT,
     ROWS,
+    SAMPLES,
     _consume,
     _first_difference,
     _publish_then_die,
@@ -544,25 +545,16 @@ def test_a_trainer_frozen_with_a_batch_unread_when_its_producer_died_rejoins_fro
     )
 
 
-def test_a_group_rank_that_does_not_rejoin_the_successor_breaks_its_group(name, tmp_path):
+@pytest.mark.parametrize("pipeline", ["seeded", "unrepeatable"])
+def test_a_group_rank_that_does_not_rejoin_the_successor_breaks_its_group(name, tmp_path, pipeline):
     """A group of 2 ranks; its producer is SIGKILLed, then rank 1 dies before the successor is
     up. Before: rank 0 rejoined, its group waited for rank 1 to the end of the stream, and rank
     0 ended cleanly, its epochs cut short as if whole (a chaos helper saw [12, 7, 0, 0] of 4
     epochs of 24; in a group of 4, unequal shares: DDP's all-reduces would not line up). Now
     when the successor starts without rank 1 (its wait for rejoins, --grace 2 here), rank 0
-    gets GroupBroken naming the rank that did not rejoin."""
-    die, out = SPAWN.Event(), SPAWN.Queue()
-    first = SPAWN.Process(target=_publish_10_then_die, args=(name, die))
-    first.start()
-    ranks = [
-        SPAWN.Process(
-            target=_trainer, args=(name, f"rank{r}", out, {"group": "job", "rank": r, "world_size": 2})
-        )
-        for r in (0, 1)
-    ]
-    for p in ranks:
-        p.start()
-    _wait_for_the_state_file(name, 2, "both ranks to receive batches")
+    gets GroupBroken naming the rank that did not rejoin. ``unrepeatable``: the successor
+    starts the epoch again as a new stream; it used to wait for nobody, and rank 0 for ever."""
+    first, ranks, die, out = _a_group_of_2_with_a_producer_to_kill(name, pipeline)
     log, second = tmp_path / "producer.log", None
     try:
         die.set()
@@ -570,7 +562,7 @@ def test_a_group_rank_that_does_not_rejoin_the_successor_breaks_its_group(name, 
         assert first.exitcode == -signal.SIGKILL
         os.kill(ranks[1].pid, signal.SIGKILL)
         ranks[1].join(timeout=30)
-        second = _serve(name, "seeded", log, ("--grace", "2"))
+        second = _serve(name, pipeline, log, ("--grace", "2"))
         result = out.get(timeout=120)
     finally:
         if second is not None:
@@ -586,11 +578,64 @@ def test_a_group_rank_that_does_not_rejoin_the_successor_breaks_its_group(name, 
     assert f"'rank0' (pid {ranks[0].pid}) rejoined (" in log.read_text()
 
 
-def _publish_10_then_die(name: str, die: Any) -> None:
+def _a_group_of_2_with_a_producer_to_kill(name: str, pipeline: str) -> tuple[Any, list[Any], Any, Any]:
+    """A resumable producer of ``pipeline`` that SIGKILLs itself once told (the event) after
+    10 batches, and a group of 2 ranks (spawned; what each saw goes to the queue) that
+    received batches from it."""
+    die, out = SPAWN.Event(), SPAWN.Queue()
+    first = SPAWN.Process(target=_publish_10_then_die, args=(name, die, pipeline))
+    first.start()
+    ranks = [
+        SPAWN.Process(
+            target=_trainer, args=(name, f"rank{r}", out, {"group": "job", "rank": r, "world_size": 2})
+        )
+        for r in (0, 1)
+    ]
+    for p in ranks:
+        p.start()
+    _wait_for_the_state_file(name, 2, "both ranks to receive batches")
+    return first, ranks, die, out
+
+
+def _publish_10_then_die(name: str, die: Any, pipeline: str = "seeded") -> None:
     """A resumable producer that publishes 10 batches, then waits for ``die`` and SIGKILLs
     itself (each rank of a group of 2 holds a batch of the last round as it waits for more)."""
-    producer = Producer(restart_pipeline.seeded(delay=0.03), name=name, resume=True, slots=8)
+    loader = getattr(restart_pipeline, pipeline)(delay=0.03)
+    producer = Producer(loader, name=name, resume=True, slots=8)
     for n, _ in enumerate(producer, 1):
         if n == 10:
             die.wait(60)
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_group_rejoining_a_successor_that_starts_its_epoch_again_gets_each_sample_once(name, tmp_path):
+    """A group of 2 ranks, 10 batches into epoch 0 of a loader no restart can repeat; the
+    producer is SIGKILLed and a successor starts that epoch again as a new stream. Before:
+    the ranks' READY named their position on the old stream (batch 10) as one on the new
+    stream, the group started there, and epoch 0 was its 10 batches from the old order and
+    the last 14 of the new: 96 samples, 71 distinct, each rank told it got 10 batches again.
+    Now each rank gets its share of the whole epoch again, after the 5 batches it had, and
+    is told how many came again (5)."""
+    first, ranks, die, out = _a_group_of_2_with_a_producer_to_kill(name, "unrepeatable")
+    log, second = tmp_path / "producer.log", None
+    try:
+        die.set()
+        first.join(timeout=60)
+        second = _serve(name, "unrepeatable", log)
+        results = sorted((out.get(timeout=120) for _ in ranks), key=lambda r: r["options"]["rank"])
+        assert second.wait(timeout=120) == 0, log.read_text()[-3000:]
+    finally:
+        if second is not None and second.poll() is None:
+            second.kill()
+            second.wait()
+        for p in ranks:
+            p.join(timeout=30)
+    again = [r["repeated"] for r in results]  # (5 each, unless the kill cut the 10th batch's send)
+    assert all(a is not None and a >= 2 for a in again), results
+    epoch0 = [[i for i, _ in r["seen"][0]] for r in results]
+    assert [len(e) for e in epoch0] == [(a + SAMPLES // ROWS // 2) * ROWS for a in again]
+    after = [i for e, a in zip(epoch0, again, strict=True) for i in e[a * ROWS :]]  # the epoch started again
+    assert sorted(after) == list(range(SAMPLES))
+    for epoch in range(1, EPOCHS):
+        assert sorted(i for r in results for i, _ in r["seen"][epoch]) == list(range(SAMPLES))
+    assert "starting that epoch again; 2 consumer(s) to rejoin first" in log.read_text()

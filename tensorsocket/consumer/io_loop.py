@@ -348,8 +348,9 @@ class ConsumerIo(Inbox):
             return True
         if restarted is not None and restarted[0] == self.stream and self.next_at is not None:
             epoch, index = self.next_at
-            again = index if epoch == restarted[1] else None
-            self.stream, self.drop_through = welcome["stream"], -1
+            again = index // self.size if epoch == restarted[1] else None  # (a group rank: one a round)
+            # (its READY, or a HELLO to the next successor, names the epoch's start on the new stream)
+            self.stream, self.drop_through, self.next_at = welcome["stream"], -1, (restarted[1], 0)
             log.warning(
                 "the producer at %s started epoch %d again from its first batch (its loader does not repeat "
                 "its order): this consumer gets %s batches of it again",

@@ -226,9 +226,7 @@ class IoLoop:
             _from_unknown(shared, cid, kind)
         elif kind is Kind.READY:
             if not evict_group_that_does_not_fit(shared, cid, self.drop):  # (else the stream goes on)
-                shared.send_joined(
-                    shared.flow.ready(cid, *position(self.shared.config.stream, msg["resume"]))
-                )
+                shared.send_joined(shared.flow.ready(cid, *successor.position(shared.config, msg["resume"])))
         elif kind is Kind.BYE:
             self.drop(cid, "left", said=msg["epoch_done"])
         elif kind is Kind.MODIFIED:
@@ -257,7 +255,7 @@ class IoLoop:
         try:
             # A group member starts with its group once every rank is READY (began iterating:
             # after any load_state_dict, whatever order the trainers start in).
-            at, rejoined = position(self.shared.config.stream, msg["resume"])
+            at, rejoined = successor.position(config, msg["resume"])
             policy = LateJoin(msg["late_join"])
             check_group_fits(shared, member, policy)
             actions = shared.flow.join(cid, msg["prefetch"], policy, member, at, member is None, rejoined)
@@ -368,14 +366,6 @@ def _repoll(poller: zmq.Poller, polled: dict[int, int], wanted: dict[int, int]) 
             if polled.get(fd) != flags:
                 poller.register(fd, flags)
     return wanted
-
-
-def position(stream: str, resume: list[Any] | None) -> tuple[tuple[int, int] | None, bool]:
-    """A restored or rejoining consumer's (epoch, index) and whether it rejoins (see
-    Flow.ready); None for a position on another stream (its numbers mean nothing here)."""
-    if resume is None or resume[0] != stream:
-        return None, False
-    return (resume[1], resume[2]), resume[3]
 
 
 def _turn_left_ms(shared: Shared) -> int:

@@ -65,9 +65,9 @@ class Publisher:
         self.rejoiners = 0  # a successor: its predecessor's consumers it waits for to rejoin
         if resumed is not None:
             self.expected = resumed.fingerprints
-            if resumed.restarted is None:  # wait for the consumers to rejoin (not forever)
-                self.rejoiners = resumed.consumers
-                self.grace = _REJOIN_GRACE if grace is None else grace
+            # wait for its consumers to rejoin (not forever), also if the epoch starts again (groups)
+            self.rejoiners = resumed.consumers
+            self.grace = _REJOIN_GRACE if grace is None else grace
         shared.starts_with = max(self.min_consumers, self.rejoiners)
 
     def next_batch(self) -> Any:

@@ -29,7 +29,7 @@ from ..host import pid_alive, same_host
 from ..pooled_collate import LoaderPool
 from ..protocol import Kind
 from . import restart
-from .shared import Shared, heartbeat_every
+from .shared import Config, Shared, heartbeat_every
 
 log = logging.getLogger("tensorsocket")
 
@@ -97,8 +97,10 @@ def finish(
         log.info(
             "resuming stream %s of %s at batch %d of epoch %d (%s)",
             state.stream, begun.endpoint, resumed.index, resumed.epoch,
-            "starting that epoch again" if resumed.restarted
-            else f"{begun.description['mode']}; {state.consumers} consumer(s) to rejoin first",
+            "; ".join((
+                "starting that epoch again" if resumed.restarted else begun.description["mode"],
+                f"{state.consumers} consumer(s) to rejoin first",
+            )),
         )  # fmt: skip
     stream = begun.stream if resumed is None else resumed.stream
     tracker = restart.Tracker(begun.path, loader, begun.description, stream)
@@ -165,6 +167,21 @@ def settle(shared: Shared, resumed: restart.Resumed | None, tracker: restart.Tra
     shared.tracker = tracker
     shared.preparing = None
     shared.wakeup.wake()
+
+
+def position(config: Config, resume: list[Any] | None) -> tuple[tuple[int, int] | None, bool]:
+    """A restored or rejoining consumer's (epoch, index) and whether it rejoins (see
+    Flow.ready); None for a position on another stream (its numbers mean nothing here). One
+    rejoining from the stream whose epoch we start again (``config.restarted``) rejoins at
+    that epoch's start: what it received of it comes again, in the new order."""
+    if resume is None:
+        return None, False
+    if resume[0] == config.stream:
+        return (resume[1], resume[2]), resume[3]
+    restarted = config.restarted
+    if restarted is not None and resume[0] == restarted[0] and resume[3]:
+        return (restarted[1], 0), True
+    return None, False
 
 
 def give_up_groups(shared: Shared, rejoiners: int) -> None:
