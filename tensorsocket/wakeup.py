@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import weakref
@@ -49,15 +50,31 @@ class Wakeup:
         self._finalizer()  # closes the pipe once
 
 
-def stop_loop(stop: threading.Event, wakeup: Wakeup, thread: threading.Thread, timeout: float = 2.0) -> None:
+def stop_loop(
+    stop: threading.Event,
+    wakeup: Wakeup,
+    thread: threading.Thread,
+    timeout: float = 2.0,
+    gate: threading.Lock | None = None,
+) -> None:
     """Stop a poll loop thread: set its stop event, wake it, and join it (never from itself).
     Also run at interpreter exit, so zmq is not torn down under a daemon thread still using a
-    socket (that aborts the process)."""
-    stop.set()
+    socket (that aborts the process). ``gate``: the lock the thread checks the stop under as it
+    begins (:func:`begins`), for a stop that may come before it did."""
+    with gate if gate is not None else contextlib.nullcontext():
+        stop.set()
     wakeup.wake()
     # (a thread not started yet, its start() cut short by Ctrl-C, stops as it begins)
     if thread is not threading.current_thread() and thread.ident is not None:
         thread.join(timeout=timeout)
+
+
+def begins(stop: threading.Event, gate: threading.Lock) -> bool:
+    """A loop thread's first step: False if it was stopped (under ``gate``) before it began.
+    One whose ``start()`` a Ctrl-C cut short may begin after its stop, unjoined (it had no
+    ident yet): it must not bind or connect then, with nobody left to close what it opens."""
+    with gate:
+        return not stop.is_set()
 
 
 def done_whole(step: Callable[[], None]) -> None:

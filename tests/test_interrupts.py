@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tensorsocket import Consumer, Producer, ProducerLost, protocol
+from tensorsocket import Consumer, Producer, ProducerLost, protocol, wakeup
 from tensorsocket.consumer import delivery, handshake, inbox, io_loop, iteration, link
 from tensorsocket.protocol import Kind
 from tests.support import NestedLoader, expected_batch, same, serving, wait_until
@@ -436,7 +436,7 @@ def test_a_second_ctrl_c_in_the_constructors_clean_up_leaves_no_consumer_joined(
     with serving(producer, epochs=1) as (thread, errors):
         monkeypatch.setattr(handshake, "outcome", interrupted)
         armed = [True]
-        sys.settrace(_interrupt_on_entering(io_loop.stop_unbegun.__code__, armed))
+        sys.settrace(_interrupt_on_entering(wakeup.stop_loop.__code__, armed))
         try:
             with pytest.raises(KeyboardInterrupt):
                 Consumer(name=name, label="interrupted", timeout=3)

@@ -186,9 +186,9 @@ class Consumer:
                 raise joined
             self._joined(shared, settings, restored, joined)
         except BaseException:
-            # Ctrl-C as it waited, say: the thread would go on, join, and stay joined for the
-            # process's life, unseen (no Consumer to close), stalling every other consumer
-            done_whole(functools.partial(io_loop.stop_unbegun, shared, self._io))
+            # Ctrl-C as it waited, say: else the thread stays joined, unseen (no Consumer to close)
+            stop = functools.partial(stop_loop, shared.stop, shared.wakeup, self._io, gate=shared.link_lock)
+            done_whole(stop)
             raise
 
     def _joined(self, shared: Shared, settings: Settings, restored: Position | None, joined: Any) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +22,7 @@ from ..host import pid_alive, pid_watch, same_host, stopped
 from ..layout_table import Recipes
 from ..protocol import Kind
 from ..transport import Reader
-from ..wakeup import stop_loop
+from ..wakeup import begins
 from . import handshake
 from .inbox import Inbox
 from .link import Link
@@ -37,21 +36,11 @@ _STATS_EVERY = 1.0  # seconds between STATS reports to the producer
 _ZMQ_GRACE_MS = 100  # after the producer's end, how long ZeroMQ may take to hand over its last messages
 
 
-def stop_unbegun(shared: Shared, thread: threading.Thread) -> None:
-    """Stop the thread as Consumer() fails, with the stop set under the lock it checks as it
-    begins: one whose start() Ctrl-C cut short may begin after the stop, unjoined (no ident
-    yet), and must not join the producer then (a consumer nobody can close)."""
-    with shared.link_lock:
-        shared.stop.set()
-    stop_loop(shared.stop, shared.wakeup, thread)
-
-
 def run(shared: Shared, settings: Settings, outcome: queue.SimpleQueue[Any]) -> None:
     """The thread's body: join, report the outcome (WELCOME and the reader, or the error)
     to the constructor, then serve until the stream is over or close() stops us."""
-    with shared.link_lock:
-        if shared.stop.is_set():  # (stopped before it began: see stop_unbegun)
-            return
+    if not begins(shared.stop, shared.link_lock):  # (a stop may come first: see Consumer())
+        return
     socket, monitor = handshake.connect(settings)
     resume = None if settings.resume is None else [*settings.resume, False]
     try:

@@ -260,9 +260,7 @@ class Producer:
         """Stop the I/O thread, free the places and give up the name: at close(), or when
         the constructor fails once the name is bound. Done again whole if cut short."""
         shared = self._shared
-        with self._io.gate:  # (a thread that has not begun sees the stop: it never binds)
-            shared.stop.set()
-        stop_loop(shared.stop, shared.wakeup, self._io.thread, timeout=5.0)
+        stop_loop(shared.stop, shared.wakeup, self._io.thread, timeout=5.0, gate=self._io.gate)
         with shared.changed:
             shared.store.close()
         shared.wakeup.close()

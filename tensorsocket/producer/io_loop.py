@@ -23,6 +23,7 @@ from ..errors import ProtocolError
 from ..flow import UNSAID, LateJoin, Membership, Said, Tail
 from ..host import boot_id, pid_alive, pid_namespace, same_host
 from ..protocol import Kind
+from ..wakeup import begins
 from . import successor
 from .listen import listen
 from .room import check_group_fits, evict_group_that_does_not_fit
@@ -68,9 +69,8 @@ class IoLoop:
     # ------------------------------------------------------------------ the loop
 
     def _run(self, endpoint: str, owner: object) -> None:
-        with self.gate:
-            if self.shared.stop.is_set():  # (stopped before it began: see __init__)
-                return
+        if not begins(self.shared.stop, self.gate):  # (see __init__)
+            return
         try:
             socket, endpoint, unguard = listen(endpoint)
         except Exception as exc:  # (RuntimeError or KeysError: start() raises it)
