@@ -689,3 +689,38 @@ def test_consumer_resumed_after_its_producer_closed_is_told_it_was_evicted(name,
         error = results.get(timeout=30)
         victim.join(timeout=10)
     assert error is not None and error.startswith("Evicted: "), error
+
+
+def _stopped_with_reconnect(name: str, ready: Any, results: Any) -> None:
+    consumer = Consumer(name=name, timeout=1.0, reconnect=10)
+    error = None
+    try:
+        it = iter(consumer)
+        next(it)
+        ready.set()  # the test stops us now, past our timeout
+        for _ in it:
+            time.sleep(0.01)
+    except Exception as exc:  # reported: the test checks which
+        error = f"{type(exc).__name__}: {exc}"
+    finally:
+        consumer.close()
+    results.put(error)
+
+
+def test_a_trainer_with_reconnect_stopped_past_its_timeout_is_told_it_was_evicted(name):
+    """README: a consumer stopped past its timeout gets Evicted when it resumes, ``reconnect``
+    or not: its own freeze, not its producer's silence, so it does not wait for a successor
+    (the producer it would rejoin evicted it) nor say the producer was lost."""
+    proc, ready = start_producer_process(name, 50, delay=0.05)
+    started, results = SPAWN.Event(), SPAWN.Queue()
+    victim = SPAWN.Process(target=_stopped_with_reconnect, args=(name, started, results))
+    with reaped(proc):
+        ready.get(timeout=60)
+        with reaped(victim):
+            assert started.wait(60)
+            os.kill(victim.pid, signal.SIGSTOP)
+            time.sleep(3.0)  # (evicted after 1 s of silence)
+            os.kill(victim.pid, signal.SIGCONT)
+            error = results.get(timeout=30)
+    assert error is not None and error.startswith("Evicted: "), error
+    assert "evicted after 1 s without a message" in error
