@@ -639,3 +639,80 @@ def test_a_group_rejoining_a_successor_that_starts_its_epoch_again_gets_each_sam
     for epoch in range(1, EPOCHS):
         assert sorted(i for r in results for i, _ in r["seen"][epoch]) == list(range(SAMPLES))
     assert "starting that epoch again; 2 consumer(s) to rejoin first" in log.read_text()
+
+
+def _pausing_trainer(name: str, label: str, out: Any, pause_after: int, paused: Any, go: Any) -> None:
+    """A trainer that stops after ``pause_after`` batches (setting ``paused``) until ``go``:
+    every epoch's (id, noise) samples, and how many batches came again."""
+    seen: list[list[Any]] = []
+    with Consumer(name=name, label=label, timeout=30.0, reconnect=60.0) as consumer:
+        taken = 0
+        while not consumer.finished:
+            epoch = []
+            for ids, noise in consumer:
+                epoch += [(int(i), n.tolist()) for i, n in zip(ids, noise, strict=True)]
+                taken += 1
+                if taken == pause_after or (pause_after < 0 and len(seen) == 1):
+                    paused.set()
+                    assert go.wait(60)
+            if epoch or not consumer.finished:
+                seen.append(epoch)
+    out.put({"label": label, "seen": seen, "repeated": consumer.repeated})
+
+
+def _publish_until_told_then_die(name: str, die: Any) -> None:
+    producer = Producer(restart_pipeline.unrepeatable(delay=0.005), name=name, resume=True, slots=4)
+    for _ in range(EPOCHS):
+        for _ in producer:
+            if die.is_set():
+                time.sleep(0.3)  # (the I/O thread sends what it has)
+                os.kill(os.getpid(), signal.SIGKILL)
+    die.wait(60)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_trainers_an_epoch_ahead_of_a_successor_that_starts_an_epoch_again_get_no_extra_epoch(name, tmp_path):
+    """Trainer b stops at batch 23 of epoch 0 (of 24), holding it, so the restart point stays
+    in epoch 0; a, free to run a window ahead, iterates epoch 1, and both have received its
+    first batches when the producer is SIGKILLed. Its loader cannot repeat its order: the
+    successor starts epoch 0 again. Before: both were sent epoch 0 again, as their epoch 1
+    after the batches they had of it: 4 epochs of a 3-epoch stream. Now each goes on at
+    epoch 1's start (it comes again, in a new order: what it had of it, then all of it)."""
+    die, out, go = SPAWN.Event(), SPAWN.Queue(), SPAWN.Event()
+    paused = {label: SPAWN.Event() for label in "ab"}
+    first = SPAWN.Process(target=_publish_until_told_then_die, args=(name, die))
+    first.start()
+    trainers = [
+        SPAWN.Process(target=_pausing_trainer, args=(name, label, out, after, paused[label], go))
+        for label, after in (("a", -1), ("b", 23))
+    ]
+    for p in trainers:
+        p.start()
+    log, second = tmp_path / "producer.log", None
+    try:
+        assert paused["b"].wait(60) and paused["a"].wait(60)  # (a pauses in epoch 1)
+        die.set()
+        first.join(timeout=60)
+        assert first.exitcode == -signal.SIGKILL
+        second = _serve(name, "unrepeatable", log)
+        go.set()
+        results = {r["label"]: r for r in (out.get(timeout=120) for _ in trainers)}
+        assert second.wait(timeout=120) == 0, log.read_text()[-3000:]
+    finally:
+        if second is not None and second.poll() is None:
+            second.kill()
+            second.wait()
+        for p in trainers:
+            p.join(timeout=30)
+    assert "starting that epoch again" in log.read_text()
+    assert results["a"]["repeated"] >= 1  # (b too, unless the kill beat epoch 1's first batch to it)
+    for r in results.values():
+        again, seen = r["repeated"], r["seen"]
+        assert again is not None and len(seen) == EPOCHS, (
+            r["label"],
+            again,
+            [len(e) for e in seen],
+        )
+        assert sum(len(e) for e in seen) == EPOCHS * SAMPLES + again * ROWS, r["label"]
+        for epoch in seen:  # (what it had of an epoch started again, first)
+            assert sorted(i for i, _ in epoch[len(epoch) - SAMPLES :]) == list(range(SAMPLES)), r["label"]

@@ -336,14 +336,16 @@ class ConsumerIo(Inbox):
             self.shared.queue.put((RESTARTED, (self.stream, 0)))
             return True
         if restarted is not None and restarted[0] == self.stream and self.next_at is not None:
+            # Our epoch (the one started again, or one after it: each comes again, in a new order)
+            # from its start: what we had of it comes again (a group rank had one batch a round).
+            # Its READY, or a HELLO to the next successor, names that start on the new stream.
             epoch, index = self.next_at
-            again = index // self.size if epoch == restarted[1] else None  # (a group rank: one a round)
-            # (its READY, or a HELLO to the next successor, names the epoch's start on the new stream)
-            self.stream, self.drop_through, self.next_at = welcome["stream"], -1, (restarted[1], 0)
+            again = index // self.size
+            self.stream, self.drop_through, self.next_at = welcome["stream"], -1, (epoch, 0)
             log.warning(
-                "the producer at %s started epoch %d again from its first batch (its loader does not repeat "
-                "its order): this consumer gets %s batches of it again",
-                self.endpoint, restarted[1], "some" if again is None else again,
+                "the producer at %s started epoch %d again from its first batch, as a new stream (its loader "
+                "does not repeat its order): this consumer gets epoch %d from its start, %d batches of it again",
+                self.endpoint, restarted[1], epoch, again,
             )  # fmt: skip
             self.shared.queue.put((RESTARTED, (self.stream, again)))
             return True

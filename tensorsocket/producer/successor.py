@@ -172,15 +172,15 @@ def settle(shared: Shared, resumed: restart.Resumed | None, tracker: restart.Tra
 def position(config: Config, resume: list[Any] | None) -> tuple[tuple[int, int] | None, bool]:
     """A restored or rejoining consumer's (epoch, index) and whether it rejoins (see
     Flow.ready); None for a position on another stream (its numbers mean nothing here). One
-    rejoining from the stream whose epoch we start again (``config.restarted``) rejoins at
-    that epoch's start: what it received of it comes again, in the new order."""
+    rejoining from the stream whose epoch we start again (``config.restarted``) rejoins at its
+    own epoch's start (that epoch, or one after it, which comes again too, in a new order)."""
     if resume is None:
         return None, False
     if resume[0] == config.stream:
         return (resume[1], resume[2]), resume[3]
     restarted = config.restarted
     if restarted is not None and resume[0] == restarted[0] and resume[3]:
-        return (restarted[1], 0), True
+        return (max(resume[1], restarted[1]), 0), True
     return None, False
 
 
