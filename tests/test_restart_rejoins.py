@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -617,19 +618,9 @@ def test_a_group_rejoining_a_successor_that_starts_its_epoch_again_gets_each_sam
     Now each rank gets its share of the whole epoch again, after the 5 batches it had, and
     is told how many came again (5)."""
     first, ranks, die, out = _a_group_of_2_with_a_producer_to_kill(name, "unrepeatable")
-    log, second = tmp_path / "producer.log", None
-    try:
-        die.set()
-        first.join(timeout=60)
-        second = _serve(name, "unrepeatable", log)
-        results = sorted((out.get(timeout=120) for _ in ranks), key=lambda r: r["options"]["rank"])
-        assert second.wait(timeout=120) == 0, log.read_text()[-3000:]
-    finally:
-        if second is not None and second.poll() is None:
-            second.kill()
-            second.wait()
-        for p in ranks:
-            p.join(timeout=30)
+    log = tmp_path / "producer.log"
+    results = _kill_and_serve_unrepeatable(name, first, die, ranks, out, log)
+    results.sort(key=lambda r: r["options"]["rank"])
     again = [r["repeated"] for r in results]  # (5 each, unless the kill cut the 10th batch's send)
     assert all(a is not None and a >= 2 for a in again), results
     epoch0 = [[i for i, _ in r["seen"][0]] for r in results]
@@ -639,6 +630,32 @@ def test_a_group_rejoining_a_successor_that_starts_its_epoch_again_gets_each_sam
     for epoch in range(1, EPOCHS):
         assert sorted(i for r in results for i, _ in r["seen"][epoch]) == list(range(SAMPLES))
     assert "starting that epoch again; 2 consumer(s) to rejoin first" in log.read_text()
+
+
+def _kill_and_serve_unrepeatable(
+    name: str, first: Any, die: Any, trainers: list[Any], out: Any, log: Path, go: Any = None
+) -> list[dict[str, Any]]:
+    """SIGKILL ``first`` (set ``die``), serve ``unrepeatable`` in its place (its successor
+    starts the epoch again), set ``go``, and return what each of ``trainers`` put in ``out``
+    once the successor served the stream to its end."""
+    second = None
+    try:
+        die.set()
+        first.join(timeout=60)
+        assert first.exitcode == -signal.SIGKILL
+        second = _serve(name, "unrepeatable", log)
+        if go is not None:
+            go.set()
+        results = [out.get(timeout=120) for _ in trainers]
+        assert second.wait(timeout=120) == 0, log.read_text()[-3000:]
+    finally:
+        if second is not None and second.poll() is None:
+            second.kill()
+            second.wait()
+        for p in trainers:
+            p.join(timeout=30)
+    assert "starting that epoch again" in log.read_text()
+    return results
 
 
 def _pausing_trainer(name: str, label: str, out: Any, pause_after: int, paused: Any, go: Any) -> None:
@@ -688,23 +705,11 @@ def test_trainers_an_epoch_ahead_of_a_successor_that_starts_an_epoch_again_get_n
     ]
     for p in trainers:
         p.start()
-    log, second = tmp_path / "producer.log", None
-    try:
-        assert paused["b"].wait(60) and paused["a"].wait(60)  # (a pauses in epoch 1)
-        die.set()
-        first.join(timeout=60)
-        assert first.exitcode == -signal.SIGKILL
-        second = _serve(name, "unrepeatable", log)
-        go.set()
-        results = {r["label"]: r for r in (out.get(timeout=120) for _ in trainers)}
-        assert second.wait(timeout=120) == 0, log.read_text()[-3000:]
-    finally:
-        if second is not None and second.poll() is None:
-            second.kill()
-            second.wait()
-        for p in trainers:
-            p.join(timeout=30)
-    assert "starting that epoch again" in log.read_text()
+    assert paused["b"].wait(60) and paused["a"].wait(60)  # (a pauses in epoch 1)
+    results = {
+        r["label"]: r
+        for r in _kill_and_serve_unrepeatable(name, first, die, trainers, out, tmp_path / "log", go)
+    }
     assert results["a"]["repeated"] >= 1  # (b too, unless the kill beat epoch 1's first batch to it)
     for r in results.values():
         again, seen = r["repeated"], r["seen"]
