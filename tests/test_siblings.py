@@ -4,9 +4,11 @@ warning) instead of a wait that never ends; programs that are right are left alo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -36,6 +38,24 @@ def _in_a_thread(body: Any, limit: float = 30.0) -> list[BaseException]:
     thread.start()
     join_or_fail(thread, limit)
     return errors
+
+
+@contextlib.contextmanager
+def _warned(words: str) -> Iterator[threading.Event]:
+    """An event set once tensorsocket logs a message containing ``words``."""
+    warned = threading.Event()
+
+    class Watch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if words in record.getMessage():
+                warned.set()
+
+    watch = Watch()
+    logging.getLogger("tensorsocket").addHandler(watch)
+    try:
+        yield warned
+    finally:
+        logging.getLogger("tensorsocket").removeHandler(watch)
 
 
 def test_two_consumers_taken_in_turn_by_one_thread_raise_instead_of_waiting_forever(name: str) -> None:
@@ -68,16 +88,7 @@ def test_one_made_here_and_never_iterated_gets_a_warning_and_may_still_be_taken(
     """The other thread that will take it may still be setting up: warn, never raise. So too
     when this thread made its iterator too (iter()) and hands that to the other thread."""
     producer = Producer(_ids(12), name=name, slots=2, replay=0, min_consumers=2)
-    warned = threading.Event()
-
-    class Watch(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if "not iterated yet" in record.getMessage():
-                warned.set()
-
-    watch = Watch()
-    logging.getLogger("tensorsocket").addHandler(watch)
-    try:
+    with _warned("not iterated yet") as warned:
         with serving(producer, 1), Consumer(name=name, timeout=TIMEOUT, label="first") as first:
             with Consumer(name=name, timeout=TIMEOUT, label="late") as late:
                 late_taken: list[float] = []
@@ -92,9 +103,35 @@ def test_one_made_here_and_never_iterated_gets_a_warning_and_may_still_be_taken(
                 taken = [float(batch[0]) for batch in first]
                 join_or_fail(starter, 20)
                 assert taken == late_taken == [float(i) for i in range(12)]
-    finally:
-        logging.getLogger("tensorsocket").removeHandler(watch)
-    assert warned.is_set()
+        assert warned.is_set()
+
+
+def test_a_next_epoch_joiner_held_back_before_its_first_batch_by_one_this_thread_iterated_warns(
+    name: str,
+) -> None:
+    """The README helper's case: a thread takes a few batches of one consumer, then iterates a
+    second that joins at the next epoch; the producer cannot get there before the first takes
+    what it was sent. Before: a silent wait for ever (the check knew only a consumer's wait
+    for the batch after one it took). Now a warning names the other (not an error: the
+    waiting one cannot tell where the producer is, and a slow loader looks the same); here
+    closing the first from another thread then lets the second go on."""
+    producer = Producer(_ids(12), name=name, slots=2, replay=0)
+    with _warned("for its first batch while consumer 'first'") as warned:
+        with serving(producer, 2), Consumer(name=name, timeout=TIMEOUT, label="first") as first:
+            late = Consumer(name=name, timeout=TIMEOUT, label="late", late_join="next_epoch")
+            taken: list[float] = []
+
+            def in_turn() -> None:  # (first's batch, and the next sent to it, hold both places)
+                held = next(iter(first))  # noqa: F841
+                taken.extend(float(b[0]) for b in late)
+
+            waiting = threading.Thread(target=in_turn, daemon=True)
+            waiting.start()
+            assert warned.wait(20), "no warning"
+            first.close()
+            join_or_fail(waiting, 20)
+            late.close()
+            assert taken == [float(i) for i in range(12)]  # (epoch 1, whole)
 
 
 def test_skipping_stragglers_and_zip_over_a_slow_loader_are_left_alone(name: str) -> None:

@@ -44,11 +44,22 @@ def holding_back(waiting: Any) -> tuple[Any, bool] | None:
     needed = waiting.taken_seq + 1 - waiting.slots
     if not waiting.stall or waiting.group_size != 1 or needed < 0:
         return None
+    for other, mine in _siblings(waiting):
+        shared = other.shared
+        if other.taken_seq < needed or min(shared.live, default=needed + 1) <= needed:
+            return other, mine
+    return None
+
+
+def _siblings(waiting: Any) -> list[tuple[Any, bool]]:
+    """The other consumers of ``waiting``'s stream that this thread iterated last (True) or
+    made and no thread iterated yet (False), not inside next() now nor done."""
     me, endpoint = threading.get_ident(), waiting.settings.endpoint
     try:
         others = list(_ALL)
     except RuntimeError:  # another thread made or dropped a consumer meanwhile: ask next TICK
-        return None
+        return []
+    found = []
     for other in others:
         if other is waiting or other.settings.endpoint != endpoint or other.group_size != 1:
             continue
@@ -56,10 +67,21 @@ def holding_back(waiting: Any) -> tuple[Any, bool] | None:
         mine = other.thread == me
         if not (mine or (other.thread is None and other.made_in == me)):
             continue
-        if shared.caller_inside or shared.stop.is_set() or other.ended:
-            continue
-        if other.taken_seq < needed or min(shared.live, default=needed + 1) <= needed:
-            return other, mine
+        if not (shared.caller_inside or shared.stop.is_set() or other.ended):
+            found.append((other, mine))
+    return found
+
+
+def _holding_before_first(waiting: Any) -> Any:
+    """For ``waiting`` that has taken no batch yet (one that joins at the next epoch waits for
+    the producer to get there): a consumer of its stream this thread iterated last that holds
+    batches, or has some queued, which the producer may be waiting for (not certain: it does
+    not say where it is, and it may only be slow); None if there is none."""
+    if not waiting.stall or waiting.group_size != 1 or waiting.taken_seq >= 0:
+        return None
+    for other, mine in _siblings(waiting):
+        if mine and (other.shared.live or not other.shared.queue.empty()):
+            return other
     return None
 
 
@@ -71,6 +93,16 @@ def check(waiting: Any) -> None:
         return
     found = holding_back(waiting)
     if found is None:
+        holder = _holding_before_first(waiting)
+        if holder is not None and not waiting.warned:
+            waiting.warned = True
+            log.warning(
+                "consumer %r has waited %g s for its first batch while consumer %r of the same stream, "
+                "which this thread iterated last, holds batches it was sent: if the producer waits for "
+                "it to take them (stragglers='stall'), that will never happen while this thread waits "
+                "here (iterate them together, from separate threads, or in separate processes)",
+                settings.label, settings.timeout, holder.settings.label,
+            )  # fmt: skip
         return
     other, certain = found
     if certain:
