@@ -534,6 +534,11 @@ def _with_a_bad_python_rng_state(path: Any) -> None:
     )
 
 
+def _with_a_bad_restarted_stream(path: Any) -> None:
+    """Readable, but the stream it started again is not [stream id, epoch]."""
+    restart.write(path, restart.encode(dataclasses.replace(restart.read(path), restarted=["x" * 65, 0])))
+
+
 @pytest.mark.parametrize(
     "damage, message",
     [
@@ -545,8 +550,9 @@ def _with_a_bad_python_rng_state(path: Any) -> None:
         ),
         (lambda p: torch.save(_Hostile(), p), "not a readable producer state"),
         (_with_a_bad_python_rng_state, "state vector is the wrong size"),  # (random.setstate's words)
+        (_with_a_bad_restarted_stream, "is damaged: bad restarted stream"),
     ],
-    ids=["garbage", "foreign", "truncated", "hostile", "bad-rng"],
+    ids=["garbage", "foreign", "truncated", "hostile", "bad-rng", "bad-restarted"],
 )
 def test_a_damaged_state_file_is_refused_by_name_and_never_resumed(name, damage, message, tmp_path):
     path = _state_of_a_run(name, restart_pipeline.seeded(), 5)

@@ -737,3 +737,73 @@ def test_trainers_ahead_of_a_successor_that_starts_an_epoch_again_get_no_extra_e
         assert sum(len(e) for e in seen) == epochs * samples + again * ROWS, r["label"]
         for epoch in seen:  # (what it had of an epoch started again, first)
             assert sorted(i for i, _ in epoch[len(epoch) - samples :]) == list(range(samples)), r["label"]
+
+
+def test_a_successor_that_started_an_epoch_again_killed_before_its_first_batch_is_succeeded_exactly(
+    name, tmp_path
+):
+    """A chaos helper's case. Producer 1 dies mid-epoch; successor 1 starts the epoch again as
+    a new stream and waits for its consumers: P rejoins, F (stopped a few seconds, under its
+    timeout) does not yet; successor 1 is SIGKILLed before its first batch, and successor 2
+    continues the new stream. Before: its state file had lost the old stream (F got
+    ProducerLost, "serves another stream") and named no consumer to wait for, and P, which had
+    nothing of the new stream, took its old stream's last seq for a place in the new one: it
+    dropped the epoch's first 13 batches and called them missed. Now both get what they had,
+    then the whole epoch."""
+    out, log = SPAWN.Queue(), tmp_path / "producer.log"
+    trainers = {label: SPAWN.Process(target=_trainer, args=(name, label, out)) for label in ("P", "F")}
+    for p in trainers.values():
+        p.start()
+    state, lives = restart.state_path(endpoint.resolve(name)), []
+    extra = ("--epochs", "2")
+
+    def point() -> tuple[int, int]:
+        try:
+            s = restart.read(state)
+        except (OSError, ValueError):  # (read as it is replaced)
+            return (-1, -1)
+        return (-1, -1) if s is None else (s.point.epoch, s.point.index)
+
+    try:
+        lives.append(_serve(name, "unrepeatable", log, extra))
+        wait_until(lambda: point()[0] == 0 and point()[1] >= 6, 60, "6 batches of epoch 0")
+        os.kill(trainers["F"].pid, signal.SIGSTOP)
+        time.sleep(0.2)
+        lives[0].kill()
+        lives[0].wait()
+        lives.append(_serve(name, "unrepeatable", log, extra))  # successor 1: starts epoch 0 again
+        wait_until(lambda: "' (pid" in log.read_text().partition("resuming stream")[2], 60, "P to rejoin")
+        time.sleep(0.3)  # (it waits for F)
+        lives[1].kill()
+        lives[1].wait()
+        lives.append(_serve(name, "unrepeatable", log, extra))  # successor 2: continues that stream
+        wait_until(lambda: log.read_text().count("resuming stream") >= 2, 60, "successor 2 to resume")
+        os.kill(trainers["F"].pid, signal.SIGCONT)
+        results = [out.get(timeout=120) for _ in trainers]
+        assert lives[2].wait(timeout=120) == 0, log.read_text()[-3000:]
+    finally:
+        for life in lives:
+            if life.poll() is None:
+                life.kill()
+                life.wait()
+        for p in trainers.values():
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGCONT)
+            p.join(timeout=30)
+    for r in results:
+        assert "error" not in r and r["missed"] is None, r
+        again, seen = r["repeated"], r["seen"]
+        assert again is not None and again >= 6 and len(seen) == 2, (
+            r["options"],
+            again,
+            [len(e) for e in seen],
+        )
+        epoch0 = [i for i, _ in seen[0]]
+        assert len(epoch0) == SAMPLES + again * ROWS and sorted(epoch0[again * ROWS :]) == list(
+            range(SAMPLES)
+        )
+        assert sorted(i for i, _ in seen[1]) == list(range(SAMPLES))
+    text = log.read_text()
+    assert "starting that epoch again" in text and "(rerun; 2 consumer(s) to rejoin first)" in text, text[
+        -3000:
+    ]

@@ -40,6 +40,9 @@ class Inbox:
         # batch is), so a successor resumes right after it and what came again is dropped.
         self.stream = stream
         self.last_seq = -1
+        # we switched to a stream that starts our epoch again and got nothing of it yet: a
+        # successor of that stream is rejoined at next_at all the same (last_seq is -1)
+        self.rejoins_fresh = False
         self.next_at: tuple[int, int] | None = None if settings.resume is None else settings.resume[1:]
         self.drop_through = -1  # after a rejoin: entries up to this seq came before
         self.rejoined_at: tuple[int, int] | None = None  # after a rejoin: where the next batch should be

@@ -243,7 +243,7 @@ class ConsumerIo(Inbox):
     def _ready_at(self, restored: list[Any] | None) -> list[Any] | None:
         """A group member's READY position: the batch after the last one it received (it
         rejoins a successor), else where it was restored, if it was."""
-        if self.last_seq < 0 or self.next_at is None:
+        if (self.last_seq < 0 and not self.rejoins_fresh) or self.next_at is None:
             return None if restored is None else [*restored, False]
         return [self.stream, *self.next_at, True]
 
@@ -329,9 +329,10 @@ class ConsumerIo(Inbox):
         restarted = welcome["restarted"]
         if welcome["stream"] == self.stream:
             # (one restored that received nothing yet: its restore says what it missed, once)
-            self.drop_through, self.rejoined_at = self.last_seq, self.next_at if self.last_seq >= 0 else None
+            had = self.last_seq >= 0 or self.rejoins_fresh
+            self.drop_through, self.rejoined_at = self.last_seq, self.next_at if had else None
             return True
-        if self.last_seq < 0 and self.settings.resume is None:  # it had nothing yet: nothing to lose
+        if self.last_seq < 0 and self.settings.resume is None and not self.rejoins_fresh:  # nothing to lose
             self.stream = welcome["stream"]
             self.shared.queue.put((RESTARTED, (self.stream, 0)))
             return True
@@ -342,6 +343,7 @@ class ConsumerIo(Inbox):
             epoch, index = self.next_at
             again = index // self.size
             self.stream, self.drop_through, self.next_at = welcome["stream"], -1, (epoch, 0)
+            self.last_seq, self.rejoins_fresh = -1, True  # (its numbers are the old stream's)
             log.warning(
                 "the producer at %s started epoch %d again from its first batch, as a new stream (its loader "
                 "does not repeat its order): this consumer gets epoch %d from its start, %d batches of it again",

@@ -68,7 +68,7 @@ class Publisher:
             # wait for its consumers to rejoin (not forever), also if the epoch starts again (groups)
             self.rejoiners = resumed.consumers
             self.grace = _REJOIN_GRACE if grace is None else grace
-        shared.starts_with = max(self.min_consumers, self.rejoiners)
+        shared.starts_with, shared.awaited = max(self.min_consumers, self.rejoiners), self.rejoiners
 
     def next_batch(self) -> Any:
         """Publish the loader's next batch and return it; StopIteration at the epoch's end."""

@@ -189,6 +189,7 @@ class Tracker:
     lagging: bool = False  # a write was skipped (WRITE_EVERY): due once that much time passed
     written: int | None = None  # the restart point last written
     joins: int = 0  # the Shared.joins of the last write: a point taken before a join is stale
+    restarted: list[Any] | None = None  # written with each state: see state_file.State
     consumers: int = 0  # the consumers last written: one more is written at once (a successor waits for it)
     seconds_writing: float = 0.0  # for the benchmark: the file's cost
     done: bool = False  # the stream ended: the file is gone and stays gone
@@ -207,6 +208,7 @@ class Tracker:
         """A successor's first point: where it restarts (so its first write can be made)."""
         seq = resumed.first_seq + resumed.index
         self.epoch_rng[resumed.epoch] = resumed.rng
+        self.restarted = resumed.restarted
         # (not the loader's state now: it may have pulled the batch at the point to check it)
         state = resumed.loader_state if self.stateful and resumed.index and not resumed.at_end else None
         self.points[seq] = Point(
@@ -269,7 +271,8 @@ class Tracker:
         t0 = time.perf_counter()
         if self.done:
             return
-        write(self.path, encode(State(self.stream, self.description, point, prints, consumers)))
+        state = State(self.stream, self.description, point, prints, consumers, self.restarted)
+        write(self.path, encode(state))
         self.seconds_writing += time.perf_counter() - t0
         self.last_write, self.written, self.joins, self.consumers = now, restart_point, joins, consumers
         self.lagging = False
@@ -326,7 +329,7 @@ def resume(
     batches pulled so far, after each."""
     p, stateful = state.point, state.loader["mode"] == STATEFUL
     out = Resumed(state.stream, p.epoch, p.first_seq, p.index, p.rng, state.consumers, state.fingerprints)
-    out.loader_state = p.loader_state
+    out.loader_state, out.restarted = p.loader_state, state.restarted  # (its consumers may rejoin still)
     mid_epoch = stateful and p.index > 0 and not p.ended
     with applying(path):  # (what the loader does from iter() on raises its own errors)
         if mid_epoch:

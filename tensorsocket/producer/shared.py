@@ -142,6 +142,7 @@ class Shared:
         self.held_beat = 0.0  # when it last sent their senders a heartbeat
         self.joins = 0  # joins that moved the restart point back (orders the state file's writes)
         self.taken = 0  # the restart point restart_where() last gave
+        self.awaited = 0  # a successor before its first batch: its predecessor's consumers it waits for
         # loader_wait: in next(loader); slot_wait: for the slowest consumer to free a place;
         # publish_time: writing and announcing (slot_wait included)
         self.stats: dict[str, Any] = {
@@ -241,7 +242,8 @@ class Shared:
         file (lock held)."""
         flow = self.flow
         self.taken = flow.restart_point()
-        return self.taken, flow.keep_from(), rejoinable(flow), self.joins
+        # (a successor killed before they rejoined leaves them to the next: its file names them)
+        return self.taken, flow.keep_from(), max(rejoinable(flow), self.awaited), self.joins
 
     def _group_broken(self, action: GroupBroken) -> bytes:
         who = self.departed.get(

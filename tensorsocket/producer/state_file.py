@@ -67,6 +67,7 @@ class State:
     point: Point
     fingerprints: dict[tuple[int, int], int]  # (epoch, index) -> content fingerprint, from the point - 1 on
     consumers: int  # with a position to lose (restart.rejoinable): a successor waits for their rejoins
+    restarted: list[Any] | None = None  # [old stream, epoch]: this stream started that one's epoch again
 
 
 def encode(state: State) -> bytes:
@@ -80,6 +81,7 @@ def encode(state: State) -> bytes:
         "loader_state": p.loader_state,
         "fingerprints": [[e, i, fp] for (e, i), fp in state.fingerprints.items()],
         "consumers": state.consumers,
+        "restarted": state.restarted,
     }
     buf = io.BytesIO()
     torch.save(record, buf)
@@ -112,9 +114,19 @@ def decode(data: bytes, where: str) -> State:
         if type(consumers) is not int or consumers < 0:
             raise ValueError(f"bad consumer count {consumers!r}")
         point = Point(epoch, first_seq, index, record["rng"], record["loader_state"], ended)
+        restarted = record.get("restarted")  # (absent from a file an earlier version wrote)
+        if restarted is not None and not (
+            isinstance(restarted, list)
+            and len(restarted) == 2
+            and isinstance(restarted[0], str)
+            and 0 < len(restarted[0]) <= 64
+            and type(restarted[1]) is int
+            and 0 <= restarted[1] < 2**62
+        ):
+            raise ValueError(f"bad restarted stream {restarted!r}")
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{where} is damaged: {exc}") from None
-    return State(stream, loader, point, fingerprints, consumers)
+    return State(stream, loader, point, fingerprints, consumers, restarted)
 
 
 def read(path: Path) -> State | None:

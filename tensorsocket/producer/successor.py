@@ -98,7 +98,7 @@ def finish(
             "resuming stream %s of %s at batch %d of epoch %d (%s)",
             state.stream, begun.endpoint, resumed.index, resumed.epoch,
             "; ".join((
-                "starting that epoch again" if resumed.restarted else begun.description["mode"],
+                "starting that epoch again" if resumed.stream != state.stream else begun.description["mode"],
                 f"{state.consumers} consumer(s) to rejoin first",
             )),
         )  # fmt: skip
@@ -187,7 +187,8 @@ def position(config: Config, resume: list[Any] | None) -> tuple[tuple[int, int] 
 def give_up_groups(shared: Shared, rejoiners: int) -> None:
     """The successor's first batch, once it waited for its predecessor's consumers (``rejoiners``,
     0 for any other producer): a group still waiting for a rank that did not rejoin is told it
-    broke (:meth:`Flow.break_unrejoined`)."""
-    if rejoiners:
-        with shared.changed:
+    broke (:meth:`Flow.break_unrejoined`), and the state file no longer names those not back."""
+    with shared.changed:
+        shared.awaited = 0
+        if rejoiners:
             shared.send_all(shared.flow.break_unrejoined())
