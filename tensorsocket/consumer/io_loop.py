@@ -240,10 +240,15 @@ class ConsumerIo(Inbox):
     def _died(self) -> str:
         return f"the producer at {self.endpoint} (pid {self.producer_pid}) died"
 
+    def _has_position(self) -> bool:
+        """Has this consumer a place in its stream to rejoin at (``next_at``)? Once it received
+        something of it, or switched to a stream that starts its epoch again (nothing of it yet)."""
+        return self.last_seq >= 0 or self.rejoins_fresh
+
     def _ready_at(self, restored: list[Any] | None) -> list[Any] | None:
         """A group member's READY position: the batch after the last one it received (it
         rejoins a successor), else where it was restored, if it was."""
-        if (self.last_seq < 0 and not self.rejoins_fresh) or self.next_at is None:
+        if not self._has_position() or self.next_at is None:
             return None if restored is None else [*restored, False]
         return [self.stream, *self.next_at, True]
 
@@ -329,10 +334,10 @@ class ConsumerIo(Inbox):
         restarted = welcome["restarted"]
         if welcome["stream"] == self.stream:
             # (one restored that received nothing yet: its restore says what it missed, once)
-            had = self.last_seq >= 0 or self.rejoins_fresh
-            self.drop_through, self.rejoined_at = self.last_seq, self.next_at if had else None
+            self.drop_through = self.last_seq
+            self.rejoined_at = self.next_at if self._has_position() else None
             return True
-        if self.last_seq < 0 and self.settings.resume is None and not self.rejoins_fresh:  # nothing to lose
+        if not self._has_position() and self.settings.resume is None:  # it had nothing yet: nothing to lose
             self.stream = welcome["stream"]
             self.shared.queue.put((RESTARTED, (self.stream, 0)))
             return True

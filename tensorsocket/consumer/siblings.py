@@ -42,7 +42,7 @@ def holding_back(waiting: Any) -> tuple[Any, bool] | None:
     consumers are group ranks, which take turns)."""
     # the batch whose place the next one needs: every consumer must have let it go
     needed = waiting.taken_seq + 1 - waiting.slots
-    if not waiting.stall or waiting.group_size != 1 or needed < 0:
+    if needed < 0:
         return None
     for other, mine in _siblings(waiting):
         shared = other.shared
@@ -53,7 +53,11 @@ def holding_back(waiting: Any) -> tuple[Any, bool] | None:
 
 def _siblings(waiting: Any) -> list[tuple[Any, bool]]:
     """The other consumers of ``waiting``'s stream that this thread iterated last (True) or
-    made and no thread iterated yet (False), not inside next() now nor done."""
+    made and no thread iterated yet (False), not inside next() now nor done; none if the
+    producer does not wait for them (its stragglers skip ahead, or these are group ranks,
+    which take turns)."""
+    if not waiting.stall or waiting.group_size != 1:
+        return []
     me, endpoint = threading.get_ident(), waiting.settings.endpoint
     try:
         others = list(_ALL)
@@ -77,7 +81,7 @@ def _holding_before_first(waiting: Any) -> Any:
     the producer to get there): a consumer of its stream this thread iterated last that holds
     batches, or has some queued, which the producer may be waiting for (not certain: it does
     not say where it is, and it may only be slow); None if there is none."""
-    if not waiting.stall or waiting.group_size != 1 or waiting.taken_seq >= 0:
+    if waiting.taken_seq >= 0:
         return None
     for other, mine in _siblings(waiting):
         if mine and (other.shared.live or not other.shared.queue.empty()):
