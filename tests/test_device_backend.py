@@ -513,6 +513,34 @@ def test_real_allocation_is_opened_in_another_process_and_regions_live_by_refere
 
 
 @pytest.mark.gpu
+def test_real_allocation_opened_in_its_own_process_is_borrowed_and_freed_after_its_last_view(monkeypatch):
+    """CUDA refuses to open an IPC handle in the process that exported it (an H200 said
+    cudaErrorDeviceUninitialized to a consumer in its producer's process): such a consumer
+    borrows the arena, and the producer's free waits for the last view over it."""
+    monkeypatch.delenv("TENSORSOCKET_FAKE_CUDA", raising=False)
+    b = device.backend()
+    a = b.alloc(3 * MiB, 0)
+    a.tensor.view(torch.int64).copy_(torch.arange(a.size // 8, device="cuda:0"))
+    torch.cuda.synchronize()
+    m = b.open(a.handle, a.size, 0)
+    assert m.tensor.data_ptr() == a.tensor.data_ptr()
+    region, owner = m.region(1024)
+    words = region.view(torch.int64)
+    del region, owner
+    m.close()
+    gc.collect()
+    a.free()  # (its own tensor is gone; the borrowed view is not)
+    free_while_viewed = torch.cuda.mem_get_info(0)[0]
+    assert words.tolist() == list(range(128))
+    del words
+    gc.collect()
+    assert torch.cuda.mem_get_info(0)[0] - free_while_viewed >= a.size  # freed with the last view
+    again = b.alloc(MiB, 0)  # a later arena at the same address is not mistaken for the old one
+    assert b.open(again.handle, again.size, 0).tensor.data_ptr() == again.tensor.data_ptr()
+    again.free()
+
+
+@pytest.mark.gpu
 def test_real_pinned_copy_event_and_wait_stream(monkeypatch):
     monkeypatch.delenv("TENSORSOCKET_FAKE_CUDA", raising=False)
     b = device.backend()

@@ -24,11 +24,17 @@ tensor and reopen handles per message.
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any
 
 import torch
 
 ARENA_ALIGN = 2 << 20  # 2 MiB: cudaMalloc's granularity for large blocks
+
+# This process's arenas by IPC handle. CUDA refuses to open a handle in the process that
+# exported it (cudaIpcOpenMemHandle: cudaErrorDeviceUninitialized, seen on an H200), so a
+# consumer in the producer's own process borrows the arena instead (:class:`Borrowed`).
+_EXPORTED: weakref.WeakValueDictionary[bytes, DeviceArena] = weakref.WeakValueDictionary()
 
 
 def _runtime() -> Any:
@@ -62,20 +68,68 @@ class DeviceArena:
             self.ptr = runtime.malloc(self.size)
             self.handle: bytes = bytes(runtime.ipcGetMemHandle(self.ptr))
         self.tensor = _as_tensor(self.ptr, self.size, device, self)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # (re-entered by a borrower's __del__ under GC)
+        self._borrowers = 0
+        self._free_asked = False
+        _EXPORTED[self.handle] = self
 
     def free(self) -> None:
         """Free the memory, which consumers may still map (a place that grew; at the end of
         a stream, with batches they read ahead). NVIDIA's cuIpcOpenMemHandle documentation
-        calls a free before every importer closed its handle undefined; the driver is
-        reported to keep the memory until the last importer closes it (ai-dynamo/nixl#1066,
-        openucx/ucx#11753), and ``tests/test_cuda_ipc.py`` checks that on the device."""
+        calls a free before every importer closed its handle undefined; the driver keeps the
+        memory until the last importer closes it (reported in ai-dynamo/nixl#1066 and
+        openucx/ucx#11753; ``tests/test_cuda_ipc.py`` passed on an H200, 2026-12-01). A
+        borrower in this process has no such guard: the free waits for the last one."""
         with self._lock:
-            if self.ptr:
-                self.tensor = None  # type: ignore[assignment]
-                with torch.cuda.device(self.device):
-                    _runtime().free(self.ptr)
-                self.ptr = 0
+            self.tensor = None  # type: ignore[assignment]
+            self._free_asked = True
+            if not self._borrowers:
+                self._free_now()
+
+    def _free_now(self) -> None:
+        ptr, self.ptr = self.ptr, 0  # (first: a borrower's __del__ may run in here, under GC)
+        if ptr:
+            if _EXPORTED.get(self.handle) is self:
+                del _EXPORTED[self.handle]
+            with torch.cuda.device(self.device):
+                _runtime().free(ptr)
+
+    def _lend(self) -> int:
+        with self._lock:
+            if not self.ptr or self._free_asked:
+                raise RuntimeError("the arena was freed before this process's consumer opened it")
+            self._borrowers += 1
+            return self.ptr
+
+    def _give_back(self) -> None:
+        with self._lock:
+            self._borrowers -= 1
+            if not self._borrowers and self._free_asked:
+                self._free_now()
+
+
+class Borrowed:
+    """Consumer side, in the producer's own process: the arena's pointer, lent until this
+    object dies (with the last tensor over it), where another process opens the handle."""
+
+    def __init__(self, arena: DeviceArena) -> None:
+        self.device = arena.device
+        self.ptr = arena._lend()
+        self._arena: DeviceArena | None = arena
+
+    def __del__(self) -> None:
+        arena, self._arena = getattr(self, "_arena", None), None
+        if arena is not None:
+            try:
+                arena._give_back()
+            except Exception:  # interpreter shutdown, or the context is gone: nothing to do
+                pass
+
+
+def opened(handle: bytes, device: int) -> _Mapping | Borrowed:
+    """The arena behind ``handle``: borrowed if this process exported it, else opened."""
+    arena = _EXPORTED.get(handle)
+    return _Mapping(handle, device) if arena is None else Borrowed(arena)
 
 
 class _Mapping:
@@ -101,7 +155,7 @@ def open_arena(handle: bytes, size: int, device: int) -> torch.Tensor:
     """Open a producer's arena (once per arena and process) as a flat uint8 tensor view."""
     if len(handle) != 64:
         raise ValueError(f"a CUDA IPC memory handle has 64 bytes, got {len(handle)}")
-    mapping = _Mapping(handle, device)
+    mapping = opened(handle, device)
     return _as_tensor(mapping.ptr, size, device, mapping)
 
 

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .cuda_ipc import DeviceArena, _Mapping, _runtime
+from .cuda_ipc import Borrowed, DeviceArena, _Mapping, _runtime, opened
 from .gpu_topology import GpuPathError
 
 HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
@@ -53,7 +53,7 @@ class RealAllocation:
 class _Region:
     """The owner of one region's tensor: a CAI object that keeps the IPC mapping open."""
 
-    def __init__(self, mapping: _Mapping, nbytes: int) -> None:
+    def __init__(self, mapping: _Mapping | Borrowed, nbytes: int) -> None:
         self.mapping = mapping
         self.__cuda_array_interface__ = {
             "version": 3,
@@ -66,12 +66,13 @@ class _Region:
 
 
 class RealMapping:
-    """A producer's arena opened with ``cudaIpcOpenMemHandle``; the handle is closed when the
-    mapping is closed and the last region's tensor is gone (``_Mapping.__del__``)."""
+    """A producer's arena opened with ``cudaIpcOpenMemHandle`` (or borrowed, in the
+    producer's own process); the handle is closed when the mapping is closed and the last
+    region's tensor is gone (``_Mapping.__del__``, ``Borrowed.__del__``)."""
 
     def __init__(self, handle: bytes, size: int, ordinal: int) -> None:
         self.size = size
-        self._ipc: _Mapping | None = _Mapping(handle, ordinal)
+        self._ipc: _Mapping | Borrowed | None = opened(handle, ordinal)
         # Opened in ordinal's context; on another GPU than the memory's (peer access), the
         # tensor's device is the memory's: ask the driver rather than assume.
         self._device = torch.device("cuda", _runtime().pointerGetAttributes(self._ipc.ptr).device)
