@@ -547,7 +547,7 @@ def run(
     runs: list[dict[str, Any]] = []
     env = machine()
     env["cpus_used"] = len(os.sched_getaffinity(0))
-    env["gpu"] = _gpu_name()
+    env["gpu"] = gpu_name()
 
     def whole(partial: bool) -> dict[str, Any]:
         return {
@@ -637,7 +637,7 @@ def _available_kib() -> int | None:
     return None
 
 
-def _gpu_name() -> str | None:
+def gpu_name() -> str | None:
     try:
         import torch
 

@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     result = {
         "benchmark": "decode_contention",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine(),
+        "machine": machine() | {"gpu": compare.gpu_name()},  # (asked last: no idle context meanwhile)
         "command": " ".join(
             ["python3", "-m", "benchmarks.decode_contention", *(sys.argv[1:] if argv is None else argv)]
         ),

@@ -27,11 +27,20 @@
 #   gpu-decode    python3 -m benchmarks.gpu_decode: 4 ResNet-18 trainers on 4  ~180 s (limit 300 s; 9 runs
 #                 cores: 4 private GPU decode pipelines vs one shared (GPU path) of 20 s or less, + the
 #                 vs the shared CPU pipeline, 3 runs each; JSON into $OUT        references)
+#   decode-contention  python3 -m benchmarks.decode_contention: the GPU pipeline's  ~100 s (limit 150 s)
+#                 rate alone, beside 4 ResNet-18 trainers on other cores and on
+#                 its own (GPU or CPU contention?); JSON into $OUT
+#   mps           decode-contention and gpu-decode (2 runs each) again under    ~250 s (limit 330 s)
+#                 NVIDIA MPS (one GPU context for every process, no time-slicing
+#                 between them), where the image has nvidia-cuda-mps-control;
+#                 JSON (tagged <gpu>-mps) into $OUT
 #
-# compare takes what is left of the budget, so the last three steps need a call of their own.
+# compare takes what is left of the budget, so the steps after it need a call of their own.
 # With 15 minutes of device time a session (machine start included), one call is what fits;
-# what has never run on a GPU comes first (issue 17), ~400 s:
-#   GPU_SH_STEPS="gpu-tests cuda-tests decode-tests decode-rate gpu-decode" bash scripts/gpu.sh
+# what is open comes first. Issue 17 on 2026-12-01 (H200): the shared GPU pipeline ran at a
+# fifth of its rate beside training trainers, on other cores too (GPU time-slicing between
+# processes); next, whether MPS lifts that, with the GPU tests again, ~460 s:
+#   GPU_SH_STEPS="gpu-tests cuda-tests mps" bash scripts/gpu.sh
 # Fetch the wheels first, here: bash scripts/gpu_wheels.sh (and carry .whl).
 #
 # The whole script keeps to $GPU_SH_BUDGET seconds (default 540: the device tool allows 600 per
@@ -40,7 +49,8 @@
 # "compare" in the next when one call cannot hold them all. $OUT (default ./gpu-results) gets at most 8
 # files: logs.tar.gz (every step's log, the JUnit XML of the test runs, nvidia-smi's answer),
 # steps.txt (each step's exit status and seconds), gpu_path-*.json, cuda_ipc-*.json, the
-# compare benchmark's <gpu>-<date>.json and .png, and gpu_decode-<gpu>-<date>.json.
+# compare benchmark's <gpu>-<date>.json and .png, gpu_decode-*.json and decode_contention-*.json
+# (more than 8 only when every step runs, which one call cannot hold).
 #
 # Wheels (scripts/gpu_wheels.sh): .whl/*.whl are installed into /tmp/site (pyzmq); .whl/upstream/
 # holds tensorsocket 0.0.5 and tornado, installed only into 0.0.5's own environment by compare.
@@ -120,6 +130,25 @@ step decode-tests 90 python3 -m pytest -v -p no:cacheprovider -m "not gpu" tests
     --junitxml="$LOGS/decode-tests.xml"
 step decode-rate 60 python3 -m producer.imagefolder_gpu --seconds 16 --workers 2 4
 step gpu-decode 300 python3 -m benchmarks.gpu_decode --out "$OUT"
+step decode-contention 150 python3 -m benchmarks.decode_contention --out "$OUT"
+
+under_mps() { # the two decode benchmarks with an MPS control daemon of our own, quit after
+    command -v nvidia-cuda-mps-control >/dev/null || { echo "nvidia-cuda-mps-control is not installed here"; return 3; }
+    local gpu
+    gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | awk '{print tolower($2)}')
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/ts-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/ts-mps-log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    nvidia-cuda-mps-control -d || return 4
+    local rc=0
+    python3 -m benchmarks.decode_contention --tag "$gpu-mps" --out "$OUT" || rc=$?
+    python3 -m benchmarks.gpu_decode --repeat 2 --tag "$gpu-mps" --out "$OUT" || rc=$?
+    echo quit | nvidia-cuda-mps-control
+    tail -n 20 "$CUDA_MPS_LOG_DIRECTORY"/*.log 2>/dev/null
+    return $rc
+}
+export -f under_mps
+export OUT
+step mps 330 bash -c under_mps
 
 cp "$LOGS/steps.txt" "$OUT/steps.txt"
 tar -czf "$OUT/logs.tar.gz" -C "$LOGS" --exclude .start .
