@@ -187,7 +187,14 @@ class GpuImageFolderLoader:
                 resized = resized.flip(-1)
             out[k] = resized[0]
         out.mul_(self._scale).add_(self._shift)
-        return out, torch.tensor(labels, dtype=torch.int64).to(self.device, non_blocking=True)
+        targets = torch.tensor(labels, dtype=torch.int64)
+        if self.device.type == "cuda":
+            # From pageable memory, CUDA first synchronises the stream (its "API synchronization
+            # behavior"): a wait for the whole batch's decode and augment, which another process's
+            # training stretches (benchmarks.decode_contention). Pinned, the copy is queued; torch's
+            # pinned-memory cache keeps the block until the copy has run.
+            targets = targets.pin_memory()
+        return out, targets.to(self.device, non_blocking=True)
 
 
 def _check_device(device: str, decoder: str) -> torch.device:

@@ -39,8 +39,9 @@
 # With 15 minutes of device time a session (machine start included), one call is what fits;
 # what is open comes first. Issue 17 on 2026-12-01 (H200): the shared GPU pipeline ran at a
 # fifth of its rate beside training trainers, on other cores too (GPU time-slicing between
-# processes); next, whether MPS lifts that, with the GPU tests again, ~460 s:
-#   GPU_SH_STEPS="gpu-tests cuda-tests mps" bash scripts/gpu.sh
+# processes); next, decode-contention again (the labels' copy no longer synchronises the
+# stream: 0.21x before) and whether MPS lifts it, with the GPU tests again, ~460 s:
+#   GPU_SH_STEPS="gpu-tests cuda-tests decode-contention mps" bash scripts/gpu.sh
 # Fetch the wheels first, here: bash scripts/gpu_wheels.sh (and carry .whl).
 #
 # The whole script keeps to $GPU_SH_BUDGET seconds (default 540: the device tool allows 600 per
