@@ -535,9 +535,6 @@ def test_real_allocation_opened_in_its_own_process_is_borrowed_and_freed_after_i
     del words
     gc.collect()
     assert torch.cuda.mem_get_info(0)[0] - free_while_viewed >= a.size  # freed with the last view
-    again = b.alloc(MiB, 0)  # a later arena at the same address is not mistaken for the old one
-    assert b.open(again.handle, again.size, 0).tensor.data_ptr() == again.tensor.data_ptr()
-    again.free()
 
 
 @pytest.mark.gpu
