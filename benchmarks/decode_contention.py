@@ -19,10 +19,12 @@ finished it); its CPU time is that process's and its workers'. Writes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import resource
+import signal
 import subprocess
 import sys
 import tempfile
@@ -38,25 +40,61 @@ from producer.imagefolder import make_dataset
 _RATE = re.compile(r"num_workers=\d+:\s+([\d.]+) samples/s \((\d+) samples")
 
 
-def _pinned(cores: list[int]) -> Any:
-    return lambda: os.sched_setaffinity(0, cores)
+def _started(command: list[str], cores: list[int], **popen: Any) -> subprocess.Popen:
+    """``command`` in a session of its own, moved onto ``cores`` as it starts (a preexec_fn is
+    unsafe in a parent with threads); its children, forked later, inherit them."""
+    proc = subprocess.Popen(command, start_new_session=True, **popen)
+    os.sched_setaffinity(proc.pid, cores)
+    return proc
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """Kill every process group first, then reap: one slow to die leaves none running."""
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(30)
 
 
 def start_trainers(args: argparse.Namespace, cores: list[int], folder: Path) -> list[subprocess.Popen]:
     """``args.trainers`` model-alone trainers (``benchmarks.compare_roles``) on ``cores``, each
-    with an epoch long enough to outlast the measurement."""
+    with an epoch long enough to outlast the measurement; stderr into ``folder``."""
     command = [sys.executable, "-m", "benchmarks.compare_roles", "synthetic-trainer", "--epochs", "1",
                "--images", "10000000", "--step-ms", str(args.step_ms), "--model", args.model]  # fmt: skip
-    return [
-        subprocess.Popen(
-            [*command, "--rank", str(rank), "--report", str(folder / f"trainer-{rank}.json")],
-            preexec_fn=_pinned(cores),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
-        for rank in range(args.trainers)
-    ]
+    procs = []
+    for rank in range(args.trainers):
+        with open(folder / f"trainer-{rank}.err", "w") as err:
+            procs.append(_started(
+                [*command, "--rank", str(rank), "--report", str(folder / f"trainer-{rank}.json")],
+                cores, stdout=subprocess.DEVNULL, stderr=err,
+            ))  # fmt: skip
+    return procs
+
+
+def _trainer_rates(folder: Path) -> list[float]:
+    rates = []
+    for path in sorted(folder.glob("trainer-*.json")):
+        with contextlib.suppress(ValueError):  # (caught mid-write)
+            rates.append(float(json.loads(path.read_text()).get("samples_per_s") or 0.0))
+    return rates
+
+
+def wait_until_training(args: argparse.Namespace, procs: list[subprocess.Popen], folder: Path) -> float:
+    """Seconds until every trainer reported a rate (it has trained past its first batch), at
+    most ``args.warmup``; a trainer that died or never got there is an error, with its stderr."""
+    start = time.monotonic()
+    while time.monotonic() - start < args.warmup:
+        rates = _trainer_rates(folder)
+        if any(p.poll() is not None for p in procs):
+            break
+        if len(rates) == len(procs) and all(r > 0 for r in rates):
+            return round(time.monotonic() - start, 1)
+        time.sleep(0.2)
+    tails = {rank: (folder / f"trainer-{rank}.err").read_text()[-800:] for rank in range(len(procs))}
+    raise RuntimeError(f"trainers not all training after {args.warmup} s (exit codes "
+                       f"{[p.poll() for p in procs]}): {tails}")  # fmt: skip
 
 
 def pipeline_rate(args: argparse.Namespace, cores: list[int], root: Path) -> dict[str, Any]:
@@ -65,13 +103,15 @@ def pipeline_rate(args: argparse.Namespace, cores: list[int], root: Path) -> dic
                "--seconds", str(args.seconds), "--workers", str(args.workers), "--device", args.device,
                "--decoder", args.decoder]  # fmt: skip
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    done = subprocess.run(
-        command, preexec_fn=_pinned(cores), capture_output=True, text=True, timeout=args.seconds + 120
-    )
+    proc = _started(command, cores, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=args.seconds + 120)
+    finally:
+        _stop([proc])
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    match = _RATE.search(done.stdout)
-    if done.returncode or match is None:
-        raise RuntimeError(f"the pipeline failed ({done.returncode}): {(done.stdout + done.stderr)[-2000:]}")
+    match = _RATE.search(out or "")
+    if proc.returncode or match is None:
+        raise RuntimeError(f"the pipeline failed ({proc.returncode}): {(out or '')[-2000:]}")
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     rate, samples = float(match.group(1)), int(match.group(2))
     return {"samples_per_s": rate, "samples": samples, "cpu_s": round(cpu, 2),
@@ -85,25 +125,30 @@ def condition(
     with tempfile.TemporaryDirectory(prefix="ts-contention-") as tmp:
         trainers = [] if theirs is None else start_trainers(args, theirs, Path(tmp))
         try:
-            time.sleep(args.warmup if trainers else 0)  # until they train (imports, CUDA, cuDNN)
-            dead = [p.args[-1] for p in trainers if p.poll() is not None]
-            if dead:
-                raise RuntimeError(f"trainers died before the measurement: {dead}")
+            warmup = wait_until_training(args, trainers, Path(tmp)) if trainers else 0.0
             result = pipeline_rate(args, mine, root)
             result["trainers_alive_after"] = sum(p.poll() is None for p in trainers)
-            reports = [json.loads(f.read_text()) for f in sorted(Path(tmp).glob("trainer-*.json"))]
-            result["trainer_samples_per_s"] = [round(r.get("samples_per_s") or 0.0, 1) for r in reports]
+            result["trainer_samples_per_s"] = [round(r, 1) for r in _trainer_rates(Path(tmp))]
+            result["trainers_training_after_s"] = warmup
         finally:
-            for p in trainers:
-                p.kill()
-                p.wait(30)
+            _stop(trainers)
     result |= {"condition": name, "pipeline_cores": mine, "trainer_cores": theirs}
     print(f"{name:>34}: {result['samples_per_s']:7.1f} samples/s, "
           f"{result['cpu_ms_per_batch_of_32_startup_included']:6.1f} ms CPU a batch of 32 (start-up included)", flush=True)  # fmt: skip
     return result
 
 
-def main(argv: list[str] | None = None) -> None:
+def _siblings(cores: list[int]) -> dict[int, str]:
+    """Each core's hyperthread siblings: "other cores" that share physical ones share more."""
+    found = {}
+    for core in cores:
+        path = Path(f"/sys/devices/system/cpu/cpu{core}/topology/thread_siblings_list")
+        found[core] = path.read_text().strip() if path.exists() else "unknown"
+    return found
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, ``--smoke``'s applied; too few cores here is a usage error."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cores", type=int, default=4, help="cores of the pipeline, and of the trainers")
     parser.add_argument("--trainers", type=int, default=4)
@@ -115,7 +160,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--count", type=int, default=512, help="images in the dataset")
     parser.add_argument("--seconds", type=float, default=12.0, help="each measurement")
     parser.add_argument(
-        "--warmup", type=float, default=15.0, help="seconds for the trainers to start training"
+        "--warmup",
+        type=float,
+        default=90.0,
+        help="at most this many seconds for the trainers to start training",
     )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--decoder", default="torchvision", choices=("torchvision", "pillow"))
@@ -125,12 +173,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.smoke:
         args.device, args.decoder, args.model, args.cores, args.trainers = "cpu", "pillow", "", 1, 1
-        args.count, args.seconds, args.warmup, args.workers = 64, 2.0, 3.0, 1
+        args.count, args.seconds, args.workers = 64, 2.0, 1
+    available = len(os.sched_getaffinity(0))
+    if available < 2 * args.cores:
+        parser.error(f"--cores {args.cores} needs {2 * args.cores} cores here, {available} are available")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
     available = sorted(os.sched_getaffinity(0))
-    if len(available) < 2 * args.cores:
-        parser.error(
-            f"--cores {args.cores} needs {2 * args.cores} cores here, {len(available)} are available"
-        )
     mine, others = available[: args.cores], available[args.cores : 2 * args.cores]
 
     with tempfile.TemporaryDirectory(prefix="ts-imagefolder-") as tmp:
@@ -144,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     result = {
         "benchmark": "decode_contention",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine() | {"gpu": compare.gpu_name()},  # (asked last: no idle context meanwhile)
+        "machine": machine() | {"gpu": compare.gpu_name(), "thread_siblings": _siblings(mine + others)},
         "command": " ".join(
             ["python3", "-m", "benchmarks.decode_contention", *(sys.argv[1:] if argv is None else argv)]
         ),

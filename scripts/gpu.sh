@@ -39,8 +39,9 @@
 # With 15 minutes of device time a session (machine start included), one call is what fits;
 # what is open comes first. Issue 17 on 2026-12-01 (H200): the shared GPU pipeline ran at a
 # fifth of its rate beside training trainers, on other cores too (GPU time-slicing between
-# processes); next, decode-contention again (the labels' copy no longer synchronises the
-# stream: 0.21x before) and whether MPS lifts it, with the GPU tests again, ~460 s:
+# processes); next, decode-contention again (0.21x before; the labels' copy no longer
+# synchronises the stream, but a batch is still waited for once, here as in the producer, so
+# this may change nothing) and whether MPS lifts it, with the GPU tests again, ~460 s:
 #   GPU_SH_STEPS="gpu-tests cuda-tests decode-contention mps" bash scripts/gpu.sh
 # Fetch the wheels first, here: bash scripts/gpu_wheels.sh (and carry .whl).
 #
@@ -133,23 +134,32 @@ step decode-rate 60 python3 -m producer.imagefolder_gpu --seconds 16 --workers 2
 step gpu-decode 300 python3 -m benchmarks.gpu_decode --out "$OUT"
 step decode-contention 150 python3 -m benchmarks.decode_contention --out "$OUT"
 
-under_mps() { # the two decode benchmarks with an MPS control daemon of our own, quit after
+under_mps() { # the two decode benchmarks with an MPS control daemon of our own, quit however this ends
     command -v nvidia-cuda-mps-control >/dev/null || { echo "nvidia-cuda-mps-control is not installed here"; return 3; }
-    local gpu
+    local gpu rc=0
     gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | awk '{print tolower($2)}')
     export CUDA_MPS_PIPE_DIRECTORY=/tmp/ts-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/ts-mps-log
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-    nvidia-cuda-mps-control -d || return 4
-    local rc=0
-    python3 -m benchmarks.decode_contention --tag "$gpu-mps" --out "$OUT" || rc=$?
-    python3 -m benchmarks.gpu_decode --repeat 2 --tag "$gpu-mps" --out "$OUT" || rc=$?
-    echo quit | nvidia-cuda-mps-control
-    tail -n 20 "$CUDA_MPS_LOG_DIRECTORY"/*.log 2>/dev/null
+    # A daemon left by an earlier call on this machine answers; a fresh -d would fail.
+    timeout 10 nvidia-cuda-mps-control <<<get_server_list >/dev/null 2>&1 || nvidia-cuda-mps-control -d || return 4
+    # The daemon runs in a session of its own, beyond timeout's reach: quit it on any exit
+    # (quit waits for clients; the benchmarks' own processes are gone by then, or killed).
+    trap 'timeout 20 nvidia-cuda-mps-control <<<quit; tail -n 20 "$CUDA_MPS_LOG_DIRECTORY"/*.log 2>/dev/null' EXIT
+    # Each benchmark waited for in the background: bash runs a trap only once a foreground
+    # child ends, and the inner timeout's process group is beyond the step's signal.
+    local child=
+    trap '[[ -n $child ]] && kill -TERM "$child" 2>/dev/null; wait; exit 143' TERM INT
+    timeout -k 5 110 python3 -m benchmarks.decode_contention --tag "$gpu-mps" --out "$OUT" &
+    child=$!
+    wait "$child" || rc=$?
+    timeout -k 5 170 python3 -m benchmarks.gpu_decode --repeat 2 --tag "$gpu-mps" --out "$OUT" &
+    child=$!
+    wait "$child" || rc=$?
     return $rc
 }
 export -f under_mps
 export OUT
-step mps 330 bash -c under_mps
+step mps 330 bash -c 'under_mps; exit $?'
 
 cp "$LOGS/steps.txt" "$OUT/steps.txt"
 tar -czf "$OUT/logs.tar.gz" -C "$LOGS" --exclude .start .
