@@ -87,7 +87,7 @@ class DeviceArena:
                 self._free_now()
 
     def _free_now(self) -> None:
-        ptr, self.ptr = self.ptr, 0  # (first: a borrower's __del__ may run in here, under GC)
+        ptr, self.ptr = self.ptr, 0  # (runs only once no borrower is left: see free, _give_back)
         if ptr:
             if _EXPORTED.get(self.handle) is self:
                 del _EXPORTED[self.handle]
