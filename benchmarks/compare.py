@@ -343,6 +343,8 @@ def run_once(
         extra = ["--images", str(cfg["images"])]
     elif system in ("tensorsocket", GPU_SYSTEM):
         plan = [("ts-producer", None)] + [("ts-trainer", i) for i in range(trainers)]
+        if cfg.get("hosted"):  # the producer in trainer 0's process, not one of its own
+            plan = [("ts-hosting-trainer", 0)] + plan[2:]
         extra = ["--name", f"compare-{uuid.uuid4().hex[:8]}"]
         if system == GPU_SYSTEM:
             extra += ["--device", GPU_DEVICE]

@@ -102,16 +102,18 @@ def model_step(name: str) -> Any:
     return step
 
 
-def train(batches: Any, epochs: int, step_s: float, report: Report, model: str | None = None) -> None:
+def train(
+    batches: Any, epochs: int, step_s: float, report: Report, model: str | None = None, step: Any = None
+) -> None:
     """Iterate ``epochs`` epochs of ``batches`` as a trainer would; record everything in ``report``.
 
     Each step is a sleep of ``step_s`` (the batch released first), or with ``model`` a real
-    training step on the batch.
+    training step on the batch (``step``: that step, made by :func:`model_step` already).
     """
     import torch
 
     gpu = torch.cuda.is_available()
-    step = model_step(model) if model else None
+    step = step or (model_step(model) if model else None)
     started = time.perf_counter()
     first = None
     samples = 0  # after the first batch: the clock starts there, start-up is not rate
@@ -127,7 +129,9 @@ def train(batches: Any, epochs: int, step_s: float, report: Report, model: str |
             if gpu:
                 images = images.to("cuda", non_blocking=True)
                 labels = labels.to("cuda", non_blocking=True)
-                torch.cuda.synchronize()
+                # This thread's stream only: a producer hosted in this process decodes on a stream
+                # of its own, which a device-wide synchronize would wait for too.
+                torch.cuda.current_stream().synchronize()
             now = time.perf_counter()
             if first is None:
                 first = now
@@ -239,6 +243,73 @@ def role_ts_trainer(args: argparse.Namespace) -> None:
         train(consumer, args.epochs, args.step_ms / 1000, report, args.model)
 
 
+def _side_stream() -> Any:
+    """A non-blocking CUDA stream made with CuPy, as ``transport.cuda_real`` makes its own:
+    ``torch.cuda.Stream()`` would make torch's stream pool, ~70 MiB of GPU memory (an H100)."""
+    import torch
+
+    try:
+        import cupy
+    except ImportError:
+        return torch.cuda.Stream()
+    runtime = cupy.cuda.runtime
+    return torch.cuda.ExternalStream(runtime.streamCreateWithFlags(runtime.streamNonBlocking))
+
+
+def role_ts_hosting_trainer(args: argparse.Namespace) -> None:
+    """A trainer whose process also hosts the producer, serving in a thread of its own: one
+    process, so one CUDA context, fewer than a producer of its own (``ts-producer``) needs. Its
+    own consumer reads the places directly (CUDA refuses to open an IPC handle where it was
+    made); the other trainers are ``ts-trainer``s. The producer's figures go in its report."""
+    import threading
+
+    import tensorsocket
+
+    loader = _loader(args, seed=0)
+    report = Report(
+        args.report, system=_ts_system(args.device), version=tensorsocket.__version__, rank=args.rank,
+        device=args.device, hosts_producer=True, workers=args.workers, pipeline=args.pipeline,
+    )  # fmt: skip
+    # The model made (its imports done) before the producer's thread forks the loader's workers:
+    # a fork while this thread imports can deadlock the child.
+    step = model_step(args.model) if args.model else None
+    failed: list[BaseException] = []
+    producer = tensorsocket.Producer(
+        loader, name=args.name, device=args.device, slots=8, min_consumers=args.trainers, replay=0
+    )
+
+    def serve() -> None:
+        import contextlib
+
+        import torch
+
+        # The pipeline's GPU work on a stream of its own (current streams are per thread): on the
+        # default stream it would queue behind this trainer's training steps, and they behind it.
+        stream = _side_stream() if torch.cuda.is_available() else None
+        try:
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                producer.serve(epochs=args.epochs)
+        except BaseException as exc:  # re-raised by the main thread, after its consumer stopped
+            failed.append(exc)
+
+    with producer:
+        with tensorsocket.Consumer(name=args.name, device=args.device, timeout=60) as consumer:
+            report.data["len"] = len(consumer)
+            server = threading.Thread(target=serve, name="producer", daemon=True)
+            server.start()
+            train(consumer, args.epochs, args.step_ms / 1000, report, args.model, step)
+        server.join(timeout=60)
+        if failed:
+            raise failed[0]
+        if server.is_alive():
+            raise RuntimeError("the hosted producer did not finish within 60 s of its trainer")
+        status = producer.status()
+    report.data["producer"] = {
+        k: status.get(k) for k in ("published", "loader_wait", "slot_wait", "publish_time", "slot_bytes")
+    }
+    report.write(force=True)
+
+
 def _upstream() -> Any:
     """PyPI tensorsocket 0.0.5, refusing to run with any other package of that name."""
     import tensorsocket
@@ -299,6 +370,7 @@ ROLES = {
     "synthetic-trainer": role_synthetic_trainer,
     "ts-producer": role_ts_producer,
     "ts-trainer": role_ts_trainer,
+    "ts-hosting-trainer": role_ts_hosting_trainer,
     "up-producer": role_up_producer,
     "up-trainer": role_up_trainer,
 }

@@ -8,6 +8,9 @@ memory N times. Three ways, one after the other, same dataset, same GPU, ``--cpu
   (file reads in ``--workers`` workers, decode and augment on its GPU): the status quo;
 * ``shared-gpu-pipeline``: one tensorsocket producer running that pipeline once, batches
   handed to the trainers over the GPU path (``device="cuda:0"``, views of its GPU memory);
+* ``shared-gpu-pipeline-hosted``: the same, the producer hosted in trainer 0's process (a
+  thread there) instead of a process of its own: one CUDA context fewer, the pipeline's GPU work
+  in that trainer's context;
 * ``shared-cpu-pipeline``: one producer running the CPU Pillow pipeline
   (``producer.imagefolder``, ``--producer-workers`` workers), over the GPU path too.
 
@@ -39,15 +42,18 @@ from benchmarks import compare
 from producer.imagefolder_gpu import torchvision_problem
 
 PRIVATE, SHARED_GPU, SHARED_CPU = "private-gpu-pipelines", "shared-gpu-pipeline", "shared-cpu-pipeline"
-WAYS = (PRIVATE, SHARED_GPU, SHARED_CPU)
+HOSTED = "shared-gpu-pipeline-hosted"
+WAYS = (PRIVATE, SHARED_GPU, HOSTED, SHARED_CPU)
+SHARED = {SHARED_GPU: "shared", HOSTED: "hosted"}  # the ways judged against the private ones, by prefix
 
 
 def variants(decode_device: str, decoder: str) -> dict[str, tuple[str, dict[str, Any]]]:
-    """The three ways as ``benchmarks.compare`` variants: (its system, configuration)."""
+    """The ways as ``benchmarks.compare`` variants: (its system, configuration)."""
     gpu = {"pipeline": "gpu", "decode_device": decode_device, "decoder": decoder}
     return {
         PRIVATE: ("independent", gpu),
         SHARED_GPU: (compare.GPU_SYSTEM, gpu),
+        HOSTED: (compare.GPU_SYSTEM, gpu | {"hosted": True}),
         SHARED_CPU: (compare.GPU_SYSTEM, {"pipeline": "cpu"}),
     }
 
@@ -81,17 +87,20 @@ def summarise(runs: list[dict[str, Any]], fake: bool = False) -> dict[str, Any]:
     summary: dict[str, Any] = {"ways": ways}
     if fake:
         summary["note"] = "CPU stand-in of the CUDA primitives, decode on the CPU: no GPU was used"
-    private, shared = ways.get(PRIVATE, {}), ways.get(SHARED_GPU, {})
-    if private.get("per_trainer_samples_per_s") and shared.get("per_trainer_samples_per_s"):
-        ratio = shared["per_trainer_samples_per_s"] / private["per_trainer_samples_per_s"]
-        summary["shared_vs_private_rate"] = round(ratio, 2)
-        if not fake:
-            summary["rate_target_met"] = ratio >= 2.0
-    for key in ("gpu_mib_device_peak_over_idle", "gpu_mib_processes_sum"):
-        if private.get(key) and shared.get(key):
-            summary[f"shared_vs_private_{key}"] = round(shared[key] / private[key], 2)
-    if "shared_vs_private_gpu_mib_device_peak_over_idle" in summary and not fake:
-        summary["memory_target_met"] = summary["shared_vs_private_gpu_mib_device_peak_over_idle"] < 1.0
+    private = ways.get(PRIVATE, {})
+    for way, prefix in SHARED.items():
+        shared = ways.get(way, {})
+        if private.get("per_trainer_samples_per_s") and shared.get("per_trainer_samples_per_s"):
+            ratio = shared["per_trainer_samples_per_s"] / private["per_trainer_samples_per_s"]
+            summary[f"{prefix}_vs_private_rate"] = round(ratio, 2)
+            if not fake:
+                summary[f"{prefix}_rate_target_met"] = ratio >= 2.0
+        for key in ("gpu_mib_device_peak_over_idle", "gpu_mib_processes_sum"):
+            if private.get(key) and shared.get(key):
+                summary[f"{prefix}_vs_private_{key}"] = round(shared[key] / private[key], 2)
+        memory = summary.get(f"{prefix}_vs_private_gpu_mib_device_peak_over_idle")
+        if memory is not None and not fake:
+            summary[f"{prefix}_memory_target_met"] = memory < 1.0
     return summary
 
 
@@ -110,10 +119,14 @@ def table(summary: dict[str, Any]) -> str:
         cells = [way, cell(w["per_trainer_samples_per_s"]), cell(w["gpu_mib_device_peak_over_idle"]),
                  cell(w["gpu_mib_processes_sum"]), cell(w["gpu_util_mean_pct"]), w["verdict"]]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
-    if "shared_vs_private_rate" in summary:
-        met = {True: "met", False: "not met"}.get(summary.get("rate_target_met"), "not judged")
-        lines.append(f"\nshared GPU pipeline vs private ones, per trainer: {summary['shared_vs_private_rate']:.2f}x "
-                     f"(target 2x: {met})")  # fmt: skip
+    for way, prefix in SHARED.items():
+        if f"{prefix}_vs_private_rate" not in summary:
+            continue
+        judged = {True: "met", False: "not met"}
+        rate = judged.get(summary.get(f"{prefix}_rate_target_met"), "not judged")
+        memory = judged.get(summary.get(f"{prefix}_memory_target_met"), "not judged")
+        lines.append(f"{way} vs the private pipelines: {summary[f'{prefix}_vs_private_rate']:.2f}x per trainer "
+                     f"(target 2x: {rate}), GPU memory target (less): {memory}")  # fmt: skip
     if "note" in summary:
         lines.append(f"note: {summary['note']}")
     return "\n".join(lines)
@@ -130,6 +143,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--images", type=int, default=1024)
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument(
+        "--ways", default=",".join(WAYS), help=f"comma-separated, of {', '.join(WAYS)} (default all)"
+    )
     parser.add_argument(
         "--workers", type=int, default=1, help="file-reading workers of each private pipeline"
     )
@@ -156,6 +172,10 @@ def main(argv: list[str] | None = None) -> None:
         if not torch.cuda.is_available():
             os.environ[compare.FAKE_CUDA] = "1"  # inherited by every process of the runs
             print(f"smoke: no GPU, so {compare.FAKE_CUDA}=1 (the CPU stand-in); decoder {args.decoder}")
+    ways = tuple(w for w in args.ways.split(",") if w)
+    unknown = sorted(set(ways) - set(WAYS))
+    if unknown or not ways:
+        parser.error(f"--ways takes {', '.join(WAYS)}; got {args.ways!r}")
     if not 1 <= args.cpus <= len(os.sched_getaffinity(0)):
         parser.error(f"--cpus must be between 1 and {len(os.sched_getaffinity(0))}, got {args.cpus}")
 
@@ -164,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
             write(partial | {"summary": summarise(partial["runs"], partial["config"]["fake_cuda"])}, args)
 
     result = compare.run(
-        (args.trainers,), WAYS, args.step_ms, args.images, args.epochs, args.workers, args.timeout, args.cpus,
+        (args.trainers,), ways, args.step_ms, args.images, args.epochs, args.workers, args.timeout, args.cpus,
         model=args.model or None, repeat=args.repeat, progress=progress,
         producer_workers=args.producer_workers, variants=variants(args.decode_device, args.decoder),
     )  # fmt: skip

@@ -24,25 +24,29 @@
 #                 tests are gpu-marked and run in gpu-tests
 #   decode-rate   python3 -m producer.imagefolder_gpu: the GPU JPEG pipeline's   ~25 s (limit 60 s)
 #                 samples/s (nvJPEG + augment), 2 and 4 file-reading workers
-#   gpu-decode    python3 -m benchmarks.gpu_decode: 4 ResNet-18 trainers on 4  ~180 s (limit 300 s; 9 runs
+#   gpu-decode    python3 -m benchmarks.gpu_decode: 4 ResNet-18 trainers on 4  ~150 s (limit 300 s; 8 runs
 #                 cores: 4 private GPU decode pipelines vs one shared (GPU path) of 20 s or less, + the
-#                 vs the shared CPU pipeline, 3 runs each; JSON into $OUT        references)
+#                 in a process of its own and hosted in trainer 0's, vs the      references)
+#                 shared CPU pipeline, 2 runs each; JSON into $OUT
 #   decode-contention  python3 -m benchmarks.decode_contention: the GPU pipeline's  ~100 s (limit 150 s)
 #                 rate alone, beside 4 ResNet-18 trainers on other cores and on
 #                 its own (GPU or CPU contention?); JSON into $OUT
-#   mps           decode-contention and gpu-decode (2 runs each) again under    ~250 s (limit 330 s)
-#                 NVIDIA MPS (one GPU context for every process, no time-slicing
-#                 between them), where the image has nvidia-cuda-mps-control;
-#                 JSON (tagged <gpu>-mps) into $OUT
+#   mps           decode-contention and gpu-decode (its three GPU pipeline ways, ~240 s (limit 330 s)
+#                 2 runs each) again under NVIDIA MPS (one GPU context for every
+#                 process, no time-slicing between them), where the image has
+#                 nvidia-cuda-mps-control; JSON (tagged <gpu>-mps) into $OUT
 #
 # compare takes what is left of the budget, so the steps after it need a call of their own.
 # With 15 minutes of device time a session (machine start included), one call is what fits;
 # what is open comes first. Issue 17 on 2026-12-01 (H200): the shared GPU pipeline ran at a
 # fifth of its rate beside training trainers, on other cores too (GPU time-slicing between
-# processes); next, decode-contention again (0.21x before; the labels' copy no longer
-# synchronises the stream, but a batch is still waited for once, here as in the producer, so
-# this may change nothing) and whether MPS lifts it, with the GPU tests again, ~460 s:
-#   GPU_SH_STEPS="gpu-tests cuda-tests decode-contention mps" bash scripts/gpu.sh
+# processes), and the producer's own process (a CUDA context) cost more GPU memory than the
+# three private pipelines it saved. Next, in one call, ~460 s: the GPU tests (the labels' copy
+# from pinned memory is new), gpu-decode with the producer hosted in a trainer's process (a
+# context fewer: the memory target) beside the others, and whether MPS lifts the rate:
+#   GPU_SH_STEPS="gpu-tests gpu-decode mps" bash scripts/gpu.sh
+# then, if device time is left, decode-contention (0.21x before the pinned labels; a batch is
+# still waited for once, here as in the producer, so this may change nothing), ~110 s.
 # Fetch the wheels first, here: bash scripts/gpu_wheels.sh (and carry .whl).
 #
 # The whole script keeps to $GPU_SH_BUDGET seconds (default 540: the device tool allows 600 per
@@ -131,7 +135,7 @@ step compare $((BUDGET - SECONDS - 5)) python3 -m benchmarks.compare --trainers 
 step decode-tests 90 python3 -m pytest -v -p no:cacheprovider -m "not gpu" tests/test_imagefolder_gpu.py \
     --junitxml="$LOGS/decode-tests.xml"
 step decode-rate 60 python3 -m producer.imagefolder_gpu --seconds 16 --workers 2 4
-step gpu-decode 300 python3 -m benchmarks.gpu_decode --out "$OUT"
+step gpu-decode 300 python3 -m benchmarks.gpu_decode --repeat 2 --out "$OUT"
 step decode-contention 150 python3 -m benchmarks.decode_contention --out "$OUT"
 
 under_mps() { # the two decode benchmarks with an MPS control daemon of our own, quit however this ends
@@ -152,7 +156,8 @@ under_mps() { # the two decode benchmarks with an MPS control daemon of our own,
     timeout -k 5 110 python3 -m benchmarks.decode_contention --tag "$gpu-mps" --out "$OUT" &
     child=$!
     wait "$child" || rc=$?
-    timeout -k 5 170 python3 -m benchmarks.gpu_decode --repeat 2 --tag "$gpu-mps" --out "$OUT" &
+    timeout -k 5 170 python3 -m benchmarks.gpu_decode --repeat 2 --tag "$gpu-mps" --out "$OUT" \
+        --ways private-gpu-pipelines,shared-gpu-pipeline,shared-gpu-pipeline-hosted &
     child=$!
     wait "$child" || rc=$?
     return $rc

@@ -243,3 +243,36 @@ def test_summary_of_repeats_quotes_the_median_and_the_gpu_columns() -> None:
         "| 4 | 200 | 750 | 800 (not exact, 10/20 samples; 1 of 3 runs) | not run | 3.75x |  |  | 4.00x | 1.07x |"
         in text
     )
+
+
+def test_a_producer_hosted_in_a_trainers_process_serves_it_and_the_others_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``hosted``: the producer serves from a thread of trainer 0's process (issue 17's way to a
+    CUDA context fewer), on the GPU path's CPU stand-in. Every trainer gets every batch once and
+    the same batches; the hosting process is a trainer, and no producer process is started.
+    Each trains a model (the torchvision stand-in), the hosting one's made before its producer
+    starts."""
+    from producer.imagefolder import make_dataset
+
+    (tmp_path / "stand-in" / "torchvision").mkdir(parents=True)
+    (tmp_path / "stand-in" / "torchvision" / "__init__.py").write_text(TINY_TORCHVISION)
+    paths = [str(tmp_path / "stand-in"), os.environ.get("PYTHONPATH", "")]
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(p for p in paths if p)
+    )  # inherited by the run's processes
+    monkeypatch.setenv(compare.FAKE_CUDA, "1")
+    cfg = CFG | {
+        "data": str(make_dataset(tmp_path / "jpeg", count=48)), "images": 48, "epochs": 2, "workers": 1,
+        "producer_workers": 1, "step_ms": 1.0, "timeout": 90.0, "model": "resnet18", "hosted": True,
+    }  # fmt: skip
+    run = compare.run_once(compare.GPU_SYSTEM, 2, cfg, None, tmp_path / "run")
+    assert run["exact"], run["problems"]
+    assert run["delivered_samples_per_trainer"] == [96, 96]
+    hosting, other = run["processes"]
+    assert (hosting["role"], hosting["rank"], other["role"], other["rank"]) == (
+        "ts-hosting-trainer", 0, "ts-trainer", 1
+    )  # fmt: skip
+    assert hosting["hosts_producer"] and hosting["device"] == compare.GPU_DEVICE
+    assert hosting["producer"]["published"] == 4  # 2 epochs of 32 + 16
+    assert hosting["pid"] != other["pid"]
