@@ -633,17 +633,24 @@ def test_a_group_rejoining_a_successor_that_starts_its_epoch_again_gets_each_sam
 
 
 def _kill_and_serve_unrepeatable(
-    name: str, first: Any, die: Any, trainers: list[Any], out: Any, log: Path, go: Any = None
+    name: str,
+    first: Any,
+    die: Any,
+    trainers: list[Any],
+    out: Any,
+    log: Path,
+    go: Any = None,
+    extra: tuple[str, ...] = (),
 ) -> list[dict[str, Any]]:
     """SIGKILL ``first`` (set ``die``), serve ``unrepeatable`` in its place (its successor
-    starts the epoch again), set ``go``, and return what each of ``trainers`` put in ``out``
-    once the successor served the stream to its end."""
+    starts the epoch again; ``extra``: more of ``tensorsocket serve``'s options), set ``go``, and
+    return what each of ``trainers`` put in ``out`` once the successor served the stream to its end."""
     second = None
     try:
         die.set()
         first.join(timeout=60)
         assert first.exitcode == -signal.SIGKILL
-        second = _serve(name, "unrepeatable", log)
+        second = _serve(name, "unrepeatable", log, extra)
         if go is not None:
             go.set()
         results = [out.get(timeout=120) for _ in trainers]
@@ -675,9 +682,12 @@ def _pausing_trainer(name: str, label: str, out: Any, pause: tuple[int, int], pa
     out.put({"label": label, "seen": seen, "repeated": consumer.repeated})
 
 
-def _publish_until_told_then_die(name: str, die: Any) -> None:
-    """A resumable producer of ``unrepeatable`` that SIGKILLs itself once ``die`` is set
-    (whatever it is doing then: waiting for a place, say)."""
+def _publish_until_told_then_die(
+    name: str, die: Any, samples: int = SAMPLES, slots: int = 4, epochs: int = EPOCHS, consumers: int = 1
+) -> None:
+    """A resumable producer of ``unrepeatable`` (``samples`` an epoch, from the first of
+    ``consumers`` on) that SIGKILLs itself once ``die`` is set (whatever it is doing then:
+    waiting for a place, say)."""
 
     def kill_when_told() -> None:
         die.wait()
@@ -685,8 +695,9 @@ def _publish_until_told_then_die(name: str, die: Any) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=kill_when_told, daemon=True).start()
-    producer = Producer(restart_pipeline.unrepeatable(delay=0.005), name=name, resume=True, slots=4)
-    for _ in range(EPOCHS):
+    loader = restart_pipeline.unrepeatable(samples, delay=0.005)
+    producer = Producer(loader, name=name, resume=True, slots=slots, min_consumers=consumers)
+    for _ in range(epochs):
         for _ in producer:
             pass
     time.sleep(60)  # (SIGKILLed as told)
@@ -789,3 +800,35 @@ def test_a_successor_that_started_an_epoch_again_killed_before_its_first_batch_i
     assert "starting that epoch again" in text and "(rerun; 2 consumer(s) to rejoin first)" in text, text[
         -3000:
     ]
+
+
+def test_a_trainer_epochs_ahead_of_a_successor_that_starts_an_epoch_again_gets_none_twice(name, tmp_path):
+    """Epochs of 2 batches and a window of 8: trainer b stops holding epoch 0's first batch, so
+    the restart point stays there, while a runs on to epoch 2 (its I/O thread reads on into
+    epoch 3). The loader cannot repeat its order: the successor starts epoch 0 again, as a new
+    stream, and can place a only at that stream's next epoch's start. Before: a was sent the
+    epochs between again (8 or 9 epochs of a 6-epoch stream). Now it drops them, and goes on
+    at its own epoch's start (what it had of that epoch, then all of it)."""
+    die, out, go = SPAWN.Event(), SPAWN.Queue(), SPAWN.Event()
+    samples, epochs = 2 * ROWS, 6
+    paused = {label: SPAWN.Event() for label in "ab"}
+    first = SPAWN.Process(target=_publish_until_told_then_die, args=(name, die, samples, 8, epochs, 2))
+    first.start()
+    trainers = [
+        SPAWN.Process(target=_pausing_trainer, args=(name, label, out, at, paused[label], go))
+        for label, at in (("a", (2, 0)), ("b", (0, 0)))
+    ]
+    for p in trainers:
+        p.start()
+    assert paused["b"].wait(60) and paused["a"].wait(60)
+    log = tmp_path / "producer.log"
+    extra = ("--slots", "8", "--epochs", str(epochs), "--arg", f"n={samples}")
+    results = {
+        r["label"]: r for r in _kill_and_serve_unrepeatable(name, first, die, trainers, out, log, go, extra)
+    }
+    for r in results.values():
+        again, seen = r["repeated"] or 0, r["seen"]
+        assert len(seen) == epochs, (r["label"], again, [len(e) for e in seen])
+        assert sum(len(e) for e in seen) == epochs * samples + again * ROWS, r["label"]
+        for epoch in seen:  # (what it had of an epoch started again, first)
+            assert sorted(i for i, _ in epoch[len(epoch) - samples :]) == list(range(samples)), r["label"]

@@ -45,6 +45,8 @@ class Inbox:
         self.rejoins_fresh = False
         self.next_at: tuple[int, int] | None = None if settings.resume is None else settings.resume[1:]
         self.drop_through = -1  # after a rejoin: entries up to this seq came before
+        # after a switch to a stream that starts an epoch before ours again: its epochs before ours
+        self.drop_before_epoch = -1
         self.rejoined_at: tuple[int, int] | None = None  # after a rejoin: where the next batch should be
         self.size = 1 if settings.group is None else settings.group[2]
         self.batches_per_epoch: int | None = None
@@ -96,7 +98,7 @@ class Inbox:
                     return self._other(kind, msg)
                 fields = tuple(msg[name] for name in protocol.BATCH_FIELDS)  # (a layout sent inline)
             seq, epoch, index, _, layout, _ = fields
-            if seq <= self.drop_through or self.rejoined_at is not None:
+            if seq <= self.drop_through or self.rejoined_at is not None or epoch < self.drop_before_epoch:
                 if not self._new(Kind.BATCH, seq, epoch, index):
                     return True
             else:  # (what _new notes, inline)
@@ -196,9 +198,10 @@ class Inbox:
 
     def _new(self, kind: Kind, seq: int, epoch: int, index: int) -> bool:
         """Note where the stream is for a rejoin; False for an entry received before it (a
-        successor publishes again from its restart point): released at once, not yielded.
-        (``index``: a BATCH's; 0 for an EPOCH_END.)"""
-        if seq <= self.drop_through:
+        successor publishes again from its restart point), or of an epoch before ours on a
+        stream that starts an earlier epoch again: released at once, not yielded. (``index``: a
+        BATCH's; 0 for an EPOCH_END.)"""
+        if seq <= self.drop_through or epoch < self.drop_before_epoch:
             if kind is Kind.BATCH:
                 self._send(protocol.encode_release([seq]))
             return False

@@ -348,6 +348,11 @@ class ConsumerIo(Inbox):
             epoch, index = self.next_at
             again = index // self.size
             self.stream, self.drop_through, self.next_at = welcome["stream"], -1, (epoch, 0)
+            if self.settings.group is None:
+                # The new stream places us only at an epoch's start: the epochs between its
+                # first and ours, which we had, are dropped. (A group's ranks are sent the same
+                # epochs, which they may straddle: dropping could make their shares unequal.)
+                self.drop_before_epoch = epoch
             self.last_seq, self.rejoins_fresh = -1, True  # (its numbers are the old stream's)
             log.warning(
                 "the producer at %s started epoch %d again from its first batch, as a new stream (its loader "
