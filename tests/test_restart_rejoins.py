@@ -703,6 +703,43 @@ def _publish_until_told_then_die(
     time.sleep(60)  # (SIGKILLed as told)
 
 
+def _ahead_of_an_unrepeatable_restart(
+    name: str,
+    tmp_path: Path,
+    pauses: dict[str, tuple[int, int]],
+    samples: int = SAMPLES,
+    slots: int = 4,
+    epochs: int = EPOCHS,
+) -> dict[str, dict[str, Any]]:
+    """Trainers that each stop at their ``pauses`` batch (epoch, index) and hold it, the
+    producer SIGKILLed once all stopped, an ``unrepeatable`` successor (it starts the restart
+    point's epoch again) served in its place: what each trainer saw, by label."""
+    die, out, go = SPAWN.Event(), SPAWN.Queue(), SPAWN.Event()
+    paused = {label: SPAWN.Event() for label in pauses}
+    args = (name, die, samples, slots, epochs, len(pauses))
+    first = SPAWN.Process(target=_publish_until_told_then_die, args=args)
+    first.start()
+    trainers = [
+        SPAWN.Process(target=_pausing_trainer, args=(name, label, out, at, paused[label], go))
+        for label, at in pauses.items()
+    ]
+    for p in trainers:
+        p.start()
+    assert all(event.wait(60) for event in paused.values())
+    log = tmp_path / "producer.log"
+    extra = ("--slots", str(slots), "--epochs", str(epochs), "--arg", f"n={samples}")
+    results = _kill_and_serve_unrepeatable(name, first, die, trainers, out, log, go, extra)
+    return {r["label"]: r for r in results}
+
+
+def _each_epoch_once_after_what_came_again(result: dict[str, Any], samples: int, epochs: int) -> None:
+    again, seen = result["repeated"] or 0, result["seen"]
+    assert len(seen) == epochs, (result["label"], again, [len(e) for e in seen])
+    assert sum(len(e) for e in seen) == epochs * samples + again * ROWS, result["label"]
+    for epoch in seen:  # (what it had of an epoch started again, first)
+        assert sorted(i for i, _ in epoch[len(epoch) - samples :]) == list(range(samples)), result["label"]
+
+
 def test_trainers_ahead_of_a_successor_that_starts_an_epoch_again_get_no_extra_epoch(name, tmp_path):
     """Trainer b stops at batch 22 of epoch 0 (of 24), holding it, so the restart point stays
     in epoch 0; a, free to run a window ahead, stops at epoch 1's first batch, and both have
@@ -710,26 +747,10 @@ def test_trainers_ahead_of_a_successor_that_starts_an_epoch_again_get_no_extra_e
     order: the successor starts epoch 0 again. Before: both were sent epoch 0 again, as their
     epoch 1 after the batches they had of it (4 epochs of a 3-epoch stream). Now each goes on
     at epoch 1's start (it comes again, drawn anew: what it had of it, then all of it)."""
-    die, out, go = SPAWN.Event(), SPAWN.Queue(), SPAWN.Event()
-    paused = {label: SPAWN.Event() for label in "ab"}
-    first = SPAWN.Process(target=_publish_until_told_then_die, args=(name, die))
-    first.start()
-    trainers = [
-        SPAWN.Process(target=_pausing_trainer, args=(name, label, out, at, paused[label], go))
-        for label, at in (("a", (1, 0)), ("b", (0, 22)))
-    ]
-    for p in trainers:
-        p.start()
-    assert paused["b"].wait(60) and paused["a"].wait(60)
-    log = tmp_path / "producer.log"
-    results = {r["label"]: r for r in _kill_and_serve_unrepeatable(name, first, die, trainers, out, log, go)}
+    results = _ahead_of_an_unrepeatable_restart(name, tmp_path, {"a": (1, 0), "b": (0, 22)})
     assert results["a"]["repeated"] >= 1  # (b too, unless the kill beat epoch 1's first batch to it)
     for r in results.values():
-        again, seen = r["repeated"] or 0, r["seen"]
-        assert len(seen) == EPOCHS, (r["label"], again, [len(e) for e in seen])
-        assert sum(len(e) for e in seen) == EPOCHS * SAMPLES + again * ROWS, r["label"]
-        for epoch in seen:  # (what it had of an epoch started again, first)
-            assert sorted(i for i, _ in epoch[len(epoch) - SAMPLES :]) == list(range(SAMPLES)), r["label"]
+        _each_epoch_once_after_what_came_again(r, SAMPLES, EPOCHS)
 
 
 def test_a_successor_that_started_an_epoch_again_killed_before_its_first_batch_is_succeeded_exactly(
@@ -807,28 +828,10 @@ def test_a_trainer_epochs_ahead_of_a_successor_that_starts_an_epoch_again_gets_n
     the restart point stays there, while a runs on to epoch 2 (its I/O thread reads on into
     epoch 3). The loader cannot repeat its order: the successor starts epoch 0 again, as a new
     stream, and can place a only at that stream's next epoch's start. Before: a was sent the
-    epochs between again (8 or 9 epochs of a 6-epoch stream). Now it drops them, and goes on
-    at its own epoch's start (what it had of that epoch, then all of it)."""
-    die, out, go = SPAWN.Event(), SPAWN.Queue(), SPAWN.Event()
+    epochs between again (10 epochs of a 6-epoch stream). Now it drops them, and goes on at its
+    own epoch's start (what it had of that epoch, then all of it)."""
     samples, epochs = 2 * ROWS, 6
-    paused = {label: SPAWN.Event() for label in "ab"}
-    first = SPAWN.Process(target=_publish_until_told_then_die, args=(name, die, samples, 8, epochs, 2))
-    first.start()
-    trainers = [
-        SPAWN.Process(target=_pausing_trainer, args=(name, label, out, at, paused[label], go))
-        for label, at in (("a", (2, 0)), ("b", (0, 0)))
-    ]
-    for p in trainers:
-        p.start()
-    assert paused["b"].wait(60) and paused["a"].wait(60)
-    log = tmp_path / "producer.log"
-    extra = ("--slots", "8", "--epochs", str(epochs), "--arg", f"n={samples}")
-    results = {
-        r["label"]: r for r in _kill_and_serve_unrepeatable(name, first, die, trainers, out, log, go, extra)
-    }
+    pauses = {"a": (2, 0), "b": (0, 0)}
+    results = _ahead_of_an_unrepeatable_restart(name, tmp_path, pauses, samples, slots=8, epochs=epochs)
     for r in results.values():
-        again, seen = r["repeated"] or 0, r["seen"]
-        assert len(seen) == epochs, (r["label"], again, [len(e) for e in seen])
-        assert sum(len(e) for e in seen) == epochs * samples + again * ROWS, r["label"]
-        for epoch in seen:  # (what it had of an epoch started again, first)
-            assert sorted(i for i, _ in epoch[len(epoch) - samples :]) == list(range(samples)), r["label"]
+        _each_epoch_once_after_what_came_again(r, samples, epochs)
