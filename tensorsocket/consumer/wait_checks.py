@@ -78,7 +78,10 @@ def catch_up_after_freeze(batches: Any) -> None:
     shared, timeout = batches.shared, batches.settings.timeout
     seen = shared.io_tick
     if time.monotonic() - seen > timeout / 2:
-        deadline = time.monotonic() + 1.0
+        # It turns at least every timeout / 4, and at once after a freeze: a deadline shorter
+        # than that (1 s, before) could run out on a loaded machine before its turn, and hand
+        # out a batch whose place was reused while we were frozen.
+        deadline = time.monotonic() + timeout
         while shared.io_tick == seen and batches.io.is_alive() and time.monotonic() < deadline:
             time.sleep(0.002)
     if shared.synced.is_set():
