@@ -37,7 +37,7 @@ from benchmarks import compare
 from benchmarks.sharing import machine
 from producer.imagefolder import make_dataset
 
-_RATE = re.compile(r"num_workers=\d+:\s+([\d.]+) samples/s \((\d+) samples")
+_RATE = re.compile(r"num_workers=\d+, threads=\d+:\s+([\d.]+) samples/s \((\d+) samples")
 
 
 def _started(command: list[str], cores: list[int], **popen: Any) -> subprocess.Popen:
@@ -101,7 +101,7 @@ def pipeline_rate(args: argparse.Namespace, cores: list[int], root: Path) -> dic
     """The GPU pipeline's samples/s and CPU seconds per 1000 samples, on ``cores``."""
     command = [sys.executable, "-m", "producer.imagefolder_gpu", "--root", str(root), "--count", str(args.count),
                "--seconds", str(args.seconds), "--workers", str(args.workers), "--device", args.device,
-               "--decoder", args.decoder]  # fmt: skip
+               "--decoder", args.decoder, "--threads", str(args.threads)]  # fmt: skip
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = _started(command, cores, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -157,6 +157,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--step-ms", type=float, default=10.0, help="a sleeping trainer's step (--model '')")
     parser.add_argument("--workers", type=int, default=4, help="the pipeline's file-reading workers")
+    parser.add_argument("--threads", type=int, default=1, help="the pipeline's batches made at once")
     parser.add_argument("--count", type=int, default=512, help="images in the dataset")
     parser.add_argument("--seconds", type=float, default=12.0, help="each measurement")
     parser.add_argument(

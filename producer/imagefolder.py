@@ -320,13 +320,15 @@ def _rate(loader: DataLoader[tuple[torch.Tensor, int]], seconds: float) -> tuple
 
 
 def measure(
-    make: Callable[[argparse.Namespace, Path, int], Any],
+    make: Callable[[argparse.Namespace, Path, Any], Any],
     description: str,
     workers: Sequence[int] = (0, 2),
     add_options: Callable[[argparse.ArgumentParser], None] | None = None,
+    variants: Callable[[argparse.Namespace], list[tuple[str, Any]]] | None = None,
 ) -> None:
     """A pipeline module's ``python -m`` entry: make a dataset, then print the rate of the
-    loader ``make(args, root, num_workers)`` returns, for each ``--workers`` value."""
+    loader ``make(args, root, variant)`` returns, for each of ``variants(args)`` (label,
+    variant) in turn; by default each ``--workers`` value, the variant a num_workers."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--root", help="dataset folder (default: a temporary one)")
     parser.add_argument("--count", type=int, default=512)
@@ -344,13 +346,11 @@ def measure(
         print(f"dataset: {args.count} images in {root} ready in {time.perf_counter() - start:.2f} s")
         # As in DataLoader workers; keeps the num_workers=0 figure a per-core one.
         torch.set_num_threads(1)
-        for num_workers in args.workers:
-            loader = make(args, root, num_workers)
-            first, rate, samples = _rate(loader, args.seconds / len(args.workers))
-            print(
-                f"num_workers={num_workers}: {rate:7.1f} samples/s "
-                f"({samples} samples; first batch after {first:.2f} s)"
-            )
+        runs = variants(args) if variants is not None else [(f"num_workers={w}", w) for w in args.workers]
+        for label, variant in runs:
+            loader = make(args, root, variant)
+            first, rate, samples = _rate(loader, args.seconds / len(runs))
+            print(f"{label}: {rate:7.1f} samples/s ({samples} samples; first batch after {first:.2f} s)")
             del loader
 
 

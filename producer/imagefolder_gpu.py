@@ -34,7 +34,10 @@ import io
 import os
 import random
 import sys
+import threading
+from collections import deque
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -139,16 +142,24 @@ class GpuImageFolderLoader:
     """Iterable of ``(images, labels)`` batches on ``device``; re-iterable once per epoch.
 
     ``set_epoch(epoch)`` picks the epoch the next iteration produces; without it, iterations
-    count 0, 1, 2, ... as a DataLoader's epochs go on."""
+    count 0, 1, 2, ... as a DataLoader's epochs go on.
+
+    ``threads`` > 1: that many batches are decoded and augmented at once, each in a thread of
+    its own and (on a GPU) on a CUDA stream of its own, and handed out in order, the caller's
+    stream made to wait for each. Why: one thread launches a few small kernels an image
+    and waits for its decode; while it does, the GPU idles, and beside training processes each
+    wait is a turn of theirs. The batches are the same whatever ``threads`` (each image's crop
+    and flip are drawn from its own seed)."""
 
     def __init__(
         self, loader: DataLoader, sampler: DistributedSampler, device: torch.device, decoder: str,
-        train: bool, seed: int, out_size: int = 224,
+        train: bool, seed: int, out_size: int = 224, threads: int = 1,
     ) -> None:  # fmt: skip
         self.loader, self.sampler, self.device, self.decoder = loader, sampler, device, decoder
         self.dataset: ImageFolderDataset = loader.dataset  # type: ignore[assignment]
-        self.train, self.seed, self.out_size = train, seed, out_size
+        self.train, self.seed, self.out_size, self.threads = train, seed, out_size, threads
         self._epoch = 0
+        self._streams = threading.local()  # each transforming thread's CUDA stream
         std = torch.tensor(IMAGENET_STD, dtype=torch.float32)
         # x_norm = (x / 255 - mean) / std = x * scale + shift, per channel
         self._scale = (1.0 / (255.0 * std)).view(1, 3, 1, 1).to(device)
@@ -163,8 +174,49 @@ class GpuImageFolderLoader:
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         epoch, self._epoch = self._epoch, self._epoch + 1
         self.sampler.set_epoch(epoch)
-        for datas, labels, indices in self.loader:
-            yield self.transform(datas, labels, indices, epoch)
+        if self.threads == 1:
+            for datas, labels, indices in self.loader:
+                yield self.transform(datas, labels, indices, epoch)
+            return
+        pending: deque[Future] = deque()
+        with ThreadPoolExecutor(self.threads, thread_name_prefix="gpu-pipeline") as pool:
+            try:
+                for item in self.loader:  # one batch queued beyond those in flight
+                    pending.append(pool.submit(self._transform_apart, *item, epoch))
+                    if len(pending) > self.threads:
+                        yield self._handed(*pending.popleft().result())
+                while pending:
+                    yield self._handed(*pending.popleft().result())
+            finally:  # (closed early: what has not started never does; the rest is waited for)
+                for future in pending:
+                    future.cancel()
+
+    def _transform_apart(
+        self, datas: Sequence[torch.Tensor], labels: Sequence[int], indices: Sequence[int], epoch: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]:
+        """:meth:`transform` in a pool thread, on its stream; the event its work ends with."""
+        if self.device.type != "cuda":
+            return (*self.transform(datas, labels, indices, epoch), None)
+        stream = getattr(self._streams, "stream", None)
+        if stream is None:
+            stream = self._streams.stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(stream):
+            images, targets = self.transform(datas, labels, indices, epoch)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return images, targets, done
+
+    def _handed(
+        self, images: torch.Tensor, targets: torch.Tensor, done: torch.cuda.Event | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch made on another stream, ready for the caller's: its stream waits for the
+        batch's work, and the caching allocator reuses the memory only after the caller's uses."""
+        if done is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(done)
+            images.record_stream(current)
+            targets.record_stream(current)
+        return images, targets
 
     def transform(
         self, datas: Sequence[torch.Tensor], labels: Sequence[int], indices: Sequence[int], epoch: int
@@ -217,7 +269,9 @@ def _check_device(device: str, decoder: str) -> torch.device:
         problems.append(f"device {device!r} but this process sees {torch.cuda.device_count()} GPU(s)")
     why_not = torchvision_problem() if decoder == "torchvision" else None
     if why_not:
-        problems.append(f"{why_not}: install the torchvision built for this torch (torch 2.X: torchvision 0.(X+15))")
+        problems.append(
+            f"{why_not}: install the torchvision built for this torch (torch 2.X: torchvision 0.(X+15))"
+        )
     if problems:
         raise GpuPipelineUnavailable(
             f"the GPU JPEG pipeline cannot run with device={device!r}, decoder={decoder!r}: "
@@ -238,13 +292,17 @@ def make_loader(
     pin_memory: bool = False,
     device: str = "cuda",
     decoder: str = "torchvision",
+    threads: int = 1,
 ) -> GpuImageFolderLoader:
     """Return a loader yielding ``(images float32 (B, 3, 224, 224), labels int64 (B,))`` on
     ``device``: :func:`producer.imagefolder.make_loader`'s options, batches and transforms,
-    decoded and augmented on the GPU. Raises ValueError for a bad option, GpuPipelineUnavailable
+    decoded and augmented on the GPU, ``threads`` batches at once (see
+    :class:`GpuImageFolderLoader`). Raises ValueError for a bad option, GpuPipelineUnavailable
     (one line) when ``device`` is a GPU this process cannot use or torchvision does not import."""
     if num_workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+    if type(threads) is not int or threads < 1:
+        raise ValueError(f"threads must be a positive integer, got {threads!r}")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     dev = _check_device(device, decoder)
@@ -261,7 +319,7 @@ def make_loader(
         pin_memory=pin_memory,
         persistent_workers=num_workers > 0,
     )
-    return GpuImageFolderLoader(loader, sampler, dev, decoder, train, seed)
+    return GpuImageFolderLoader(loader, sampler, dev, decoder, train, seed, threads=threads)
 
 
 # --------------------------------------------------------------------------- measurement
@@ -269,7 +327,8 @@ def make_loader(
 
 class _Synchronized:
     """A loader whose batches count only once the GPU finished them (the work is queued
-    asynchronously; the rate must include it)."""
+    asynchronously; the rate must include it). The caller's stream, which waited for the
+    batch: a device-wide synchronize would wait for the batches other threads are making."""
 
     def __init__(self, loader: GpuImageFolderLoader) -> None:
         self.loader = loader
@@ -277,7 +336,7 @@ class _Synchronized:
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for batch in self.loader:
             if self.loader.device.type == "cuda":
-                torch.cuda.synchronize(self.loader.device)
+                torch.cuda.current_stream(self.loader.device).synchronize()
             yield batch
 
 
@@ -287,6 +346,7 @@ def _main() -> None:
     def options(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--device", default="cuda")
         parser.add_argument("--decoder", choices=DECODERS, default="torchvision")
+        parser.add_argument("--threads", type=int, nargs="+", default=[1], help="batches made at once")
 
     # Said before the dataset is made (seconds of JPEG encoding) when this cannot run here.
     early = argparse.ArgumentParser(add_help=False)
@@ -297,13 +357,19 @@ def _main() -> None:
     except (GpuPipelineUnavailable, ValueError) as exc:
         raise SystemExit(str(exc)) from None
 
-    def make(args: argparse.Namespace, root: Path, workers: int) -> _Synchronized:
-        loader = make_loader(root, args.batch_size, workers, device=args.device, decoder=args.decoder)
-        if workers == args.workers[0]:
-            print(f"device={args.device}, decoder={args.decoder}; num_workers read files")
-        return _Synchronized(loader)
+    def variants(args: argparse.Namespace) -> list[tuple[str, tuple[int, int]]]:
+        print(f"device={args.device}, decoder={args.decoder}; num_workers read files")
+        return [(f"num_workers={w}, threads={t}", (w, t)) for w in args.workers for t in args.threads]
 
-    measure(make, "Measure the GPU JPEG decode + augment pipeline.", [2], options)
+    def make(args: argparse.Namespace, root: Path, variant: tuple[int, int]) -> _Synchronized:
+        workers, threads = variant
+        return _Synchronized(
+            make_loader(
+                root, args.batch_size, workers, device=args.device, decoder=args.decoder, threads=threads
+            )
+        )
+
+    measure(make, "Measure the GPU JPEG decode + augment pipeline.", [2], options, variants)
 
 
 if __name__ == "__main__":

@@ -22,8 +22,9 @@
 #                 JPEG pipeline with torchvision's CPU decoder (torchvision does
 #                 not import on the CPU VM), on the CUDA stand-in; its nvJPEG
 #                 tests are gpu-marked and run in gpu-tests
-#   decode-rate   python3 -m producer.imagefolder_gpu: the GPU JPEG pipeline's   ~25 s (limit 60 s)
-#                 samples/s (nvJPEG + augment), 2 and 4 file-reading workers
+#   decode-rate   python3 -m producer.imagefolder_gpu: the GPU JPEG pipeline's   ~35 s (limit 60 s)
+#                 samples/s (nvJPEG + augment), 4 file-reading workers, 1, 2
+#                 and 4 batches made at once (threads)
 #   gpu-decode    python3 -m benchmarks.gpu_decode: 4 ResNet-18 trainers on 4  ~150 s (limit 300 s; 8 runs
 #                 cores: 4 private GPU decode pipelines vs one shared (GPU path) of 20 s or less, + the
 #                 in a process of its own and hosted in trainer 0's, vs the      references)
@@ -43,10 +44,14 @@
 # processes), and the producer's own process (a CUDA context) cost more GPU memory than the
 # three private pipelines it saved. Next, in one call, ~460 s: the GPU tests (the labels' copy
 # from pinned memory is new), gpu-decode with the producer hosted in a trainer's process (a
-# context fewer: the memory target) beside the others, and whether MPS lifts the rate:
-#   GPU_SH_STEPS="gpu-tests gpu-decode mps" bash scripts/gpu.sh
+# context fewer: the memory target) beside the others, whether batches made in threads raise
+# the pipeline's own rate (its main thread was a core's worth of CPU, 12.8 ms a batch), and
+# whether MPS lifts the rate beside training, ~500 s:
+#   GPU_SH_STEPS="gpu-tests decode-rate gpu-decode mps" bash scripts/gpu.sh
 # then, if device time is left, decode-contention (0.21x before the pinned labels; a batch is
-# still waited for once, here as in the producer, so this may change nothing), ~110 s.
+# still waited for once, here as in the producer, so this may change nothing), ~110 s, and
+# again with the best --threads of decode-rate (several batches in flight may ride out the
+# other contexts' turns).
 # Fetch the wheels first, here: bash scripts/gpu_wheels.sh (and carry .whl).
 #
 # The whole script keeps to $GPU_SH_BUDGET seconds (default 540: the device tool allows 600 per
@@ -134,7 +139,7 @@ step compare $((BUDGET - SECONDS - 5)) python3 -m benchmarks.compare --trainers 
 
 step decode-tests 90 python3 -m pytest -v -p no:cacheprovider -m "not gpu" tests/test_imagefolder_gpu.py \
     --junitxml="$LOGS/decode-tests.xml"
-step decode-rate 60 python3 -m producer.imagefolder_gpu --seconds 16 --workers 2 4
+step decode-rate 60 python3 -m producer.imagefolder_gpu --seconds 24 --workers 4 --threads 1 2 4
 step gpu-decode 300 python3 -m benchmarks.gpu_decode --repeat 2 --out "$OUT"
 step decode-contention 150 python3 -m benchmarks.decode_contention --out "$OUT"
 

@@ -25,6 +25,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +138,51 @@ def test_reproducible_from_seed_and_epoch_whatever_the_workers(root: Path) -> No
     assert all(a != b for a, b in zip(other[0], first[0], strict=True))
 
 
+def test_batches_made_in_threads_are_the_same_in_the_same_order(root: Path) -> None:
+    """``threads``: batches made at once in a pool, handed out in the loader's order; the same
+    bytes as one at a time (each image's crop and flip come from its own seed), a restart told
+    the epoch included. (The per-thread CUDA streams are the GPU tests'.)"""
+
+    def run(threads: int, start_epoch: int = 0, epochs: int = 2) -> list[list[str]]:
+        loader = make_loader(root, batch_size=BATCH, num_workers=2, seed=5, device="cpu", decoder="pillow",
+                             threads=threads)  # fmt: skip
+        loader.set_epoch(start_epoch)
+        return [[batch_digest(x, y) for x, y in epoch] for epoch in epochs_of(loader, epochs)]
+
+    one = run(threads=1)
+    assert run(threads=3) == one and run(threads=2, start_epoch=1, epochs=1) == one[1:]
+    assert len(one[0]) == -(-COUNT // BATCH) and len(set(one[0])) == len(one[0])
+
+
+def test_a_batch_that_fails_in_a_thread_raises_in_the_caller_and_leaves_no_thread(
+    root: Path, tmp_path: Path
+) -> None:
+    """A file that cannot be decoded, in a batch made by a pool thread: its error is raised
+    where the batch is taken, after the batches before it; an iteration left early (a
+    consumer that stops) waits for its threads and leaves none behind."""
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(root, broken)
+    victim = sorted((broken / "class_03").glob("*.jpg"))[0]
+    victim.write_bytes(victim.read_bytes()[:40])  # a JPEG header and nothing after it
+    loader = make_loader(broken, batch_size=BATCH, num_workers=0, shuffle=False, device="cpu", decoder="pillow",
+                         threads=3)  # fmt: skip
+    position = [path for path, _ in loader.dataset.samples].index(str(victim))
+    taken = 0
+    with pytest.raises(OSError):
+        for _ in loader:
+            taken += 1
+    assert taken == position // BATCH  # every batch before the broken one, in order
+    before = {t.name for t in threading.enumerate()}
+    assert not any(name.startswith("gpu-pipeline") for name in before)
+    good = make_loader(root, batch_size=BATCH, num_workers=0, device="cpu", decoder="pillow", threads=3)
+    it = iter(good)
+    next(it)
+    it.close()  # (a generator left early)
+    assert not any(t.name.startswith("gpu-pipeline") for t in threading.enumerate())
+
+
 def test_options_are_checked_when_the_loader_is_made(root: Path, tmp_path: Path) -> None:
     cases = [
         ({"num_workers": -1}, "num_workers must be >= 0"),
@@ -145,6 +191,8 @@ def test_options_are_checked_when_the_loader_is_made(root: Path, tmp_path: Path)
         ({"device": "tpu"}, "device must be 'cuda', 'cuda:N' or 'cpu'"),
         ({"device": "meta"}, "device must be 'cuda', 'cuda:N' or 'cpu'"),
         ({"device": "cuda", "decoder": "pillow"}, "decoder='pillow' decodes on the CPU"),
+        ({"threads": 0}, "threads must be a positive integer, got 0"),
+        ({"threads": 2.0}, "threads must be a positive integer, got 2.0"),
     ]
     for options, message in cases:
         with pytest.raises(ValueError, match=message.replace("(", r"\(")):
@@ -280,17 +328,22 @@ def consume(name: str, epochs: int, results: Any, device: str) -> None:
     results.put(report)
 
 
-def serve_to_three(root: Path, name: str, decode_device: str, decoder: str, epochs: int = 2) -> None:
-    """One producer serving this pipeline on cuda:0 to three consumer processes: each sees
-    every batch of every epoch once, bit-identical to the others and to the pipeline's own
-    batches (a second loader with the same seed makes them again)."""
+def serve_to_three(
+    root: Path, name: str, decode_device: str, decoder: str, epochs: int = 2, threads: int = 1
+) -> None:
+    """One producer serving this pipeline (``threads`` batches made at once) on cuda:0 to three
+    consumer processes: each sees every batch of every epoch once, bit-identical to the others
+    and to the pipeline's own batches (a second loader with the same seed, one batch at a time,
+    makes them again)."""
     from tensorsocket import Producer
 
     results = SPAWN.Queue()
     procs = [SPAWN.Process(target=consume, args=(name, epochs, results, "cuda:0")) for _ in range(3)]
     for p in procs:
         p.start()
-    loader = make_loader(root, batch_size=BATCH, device=decode_device, decoder=decoder, seed=7)
+    loader = make_loader(
+        root, batch_size=BATCH, device=decode_device, decoder=decoder, seed=7, threads=threads
+    )
     try:
         with Producer(loader, name=name, device="cuda:0", slots=3, replay=0, min_consumers=3) as producer:
             assert producer.status()["transport"] == "cuda"
@@ -310,12 +363,13 @@ def serve_to_three(root: Path, name: str, decode_device: str, decoder: str, epoc
         assert report["digests"] == expected
 
 
+@pytest.mark.parametrize("threads", [1, 3])
 def test_one_producer_serves_the_pipeline_to_three_consumers_on_the_stand_in(
-    root: Path, name: str, monkeypatch: pytest.MonkeyPatch
+    root: Path, name: str, monkeypatch: pytest.MonkeyPatch, threads: int
 ) -> None:
     monkeypatch.setenv("TENSORSOCKET_FAKE_CUDA", "1")  # inherited by the consumers
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    serve_to_three(root, name, "cpu", "pillow")
+    serve_to_three(root, name, "cpu", "pillow", threads=threads)
 
 
 # --------------------------------------------------------------------------- on a GPU (scripts/gpu.sh)
@@ -340,8 +394,11 @@ def test_nvjpeg_decode_matches_pillow(root: Path, root_444: Path, record_propert
 
 @pytest.mark.gpu
 @needs_torchvision
+@pytest.mark.parametrize("threads", [1, 3])
 def test_one_producer_serves_the_nvjpeg_pipeline_to_three_gpu_consumers(
-    root: Path, name: str, monkeypatch: pytest.MonkeyPatch
+    root: Path, name: str, monkeypatch: pytest.MonkeyPatch, threads: int
 ) -> None:
+    """With ``threads=3``, each batch made on a stream of its own: the producer's copy must
+    wait for it (the batches are compared with those made one at a time)."""
     monkeypatch.delenv("TENSORSOCKET_FAKE_CUDA", raising=False)
-    serve_to_three(root, name, "cuda", "torchvision")
+    serve_to_three(root, name, "cuda", "torchvision", threads=threads)
