@@ -243,19 +243,6 @@ def role_ts_trainer(args: argparse.Namespace) -> None:
         train(consumer, args.epochs, args.step_ms / 1000, report, args.model)
 
 
-def _side_stream() -> Any:
-    """A non-blocking CUDA stream made with CuPy, as ``transport.cuda_real`` makes its own:
-    ``torch.cuda.Stream()`` would make torch's stream pool, ~70 MiB of GPU memory (an H100)."""
-    import torch
-
-    try:
-        import cupy
-    except ImportError:
-        return torch.cuda.Stream()
-    runtime = cupy.cuda.runtime
-    return torch.cuda.ExternalStream(runtime.streamCreateWithFlags(runtime.streamNonBlocking))
-
-
 def role_ts_hosting_trainer(args: argparse.Namespace) -> None:
     """A trainer whose process also hosts the producer, serving in a thread of its own: one
     process, so one CUDA context, fewer than a producer of its own (``ts-producer``) needs. Its
@@ -285,7 +272,8 @@ def role_ts_hosting_trainer(args: argparse.Namespace) -> None:
 
         # The pipeline's GPU work on a stream of its own (current streams are per thread): on the
         # default stream it would queue behind this trainer's training steps, and they behind it.
-        stream = _side_stream() if torch.cuda.is_available() else None
+        # (From torch's pool of streams, which torchvision's decoder draws from already.)
+        stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         try:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 producer.serve(epochs=args.epochs)
@@ -297,7 +285,13 @@ def role_ts_hosting_trainer(args: argparse.Namespace) -> None:
             report.data["len"] = len(consumer)
             server = threading.Thread(target=serve, name="producer", daemon=True)
             server.start()
-            train(consumer, args.epochs, args.step_ms / 1000, report, args.model, step)
+            try:
+                train(consumer, args.epochs, args.step_ms / 1000, report, args.model, step)
+            except BaseException as exc:  # the producer's own error, when it failed first, is the cause
+                server.join(timeout=5)
+                if failed:
+                    raise failed[0] from exc
+                raise
         server.join(timeout=60)
         if failed:
             raise failed[0]

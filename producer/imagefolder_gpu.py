@@ -32,9 +32,9 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import queue
 import random
 import sys
-import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -144,12 +144,14 @@ class GpuImageFolderLoader:
     ``set_epoch(epoch)`` picks the epoch the next iteration produces; without it, iterations
     count 0, 1, 2, ... as a DataLoader's epochs go on.
 
-    ``threads`` > 1: that many batches are decoded and augmented at once, each in a thread of
-    its own and (on a GPU) on a CUDA stream of its own, and handed out in order, the caller's
-    stream made to wait for each. Why: one thread launches a few small kernels an image
-    and waits for its decode; while it does, the GPU idles, and beside training processes each
-    wait is a turn of theirs. The batches are the same whatever ``threads`` (each image's crop
-    and flip are drawn from its own seed)."""
+    ``threads`` > 1: that many batches are made at once, each in a thread of its own and (on a
+    GPU) on a CUDA stream of its own, and handed out in order, the caller's stream made to
+    wait for each. Why: one thread launches a few small kernels an image and waits for its
+    batch's decode; while it does, the GPU idles, and beside training processes each wait is
+    a turn of theirs. The decodes themselves do not overlap (torchvision decodes under one
+    process-wide lock, and waits for each); the crops, resizes and their launching do. The
+    batches are the same whatever ``threads`` (each image's crop and flip are drawn from its
+    own seed)."""
 
     def __init__(
         self, loader: DataLoader, sampler: DistributedSampler, device: torch.device, decoder: str,
@@ -159,7 +161,9 @@ class GpuImageFolderLoader:
         self.dataset: ImageFolderDataset = loader.dataset  # type: ignore[assignment]
         self.train, self.seed, self.out_size, self.threads = train, seed, out_size, threads
         self._epoch = 0
-        self._streams = threading.local()  # each transforming thread's CUDA stream
+        # The pool threads' CUDA streams, made once for the loader's life (torch's caching
+        # allocator reuses a freed block on the stream that freed it only) and lent per batch
+        self._streams: queue.SimpleQueue[torch.cuda.Stream] = queue.SimpleQueue()
         std = torch.tensor(IMAGENET_STD, dtype=torch.float32)
         # x_norm = (x / 255 - mean) / std = x * scale + shift, per channel
         self._scale = (1.0 / (255.0 * std)).view(1, 3, 1, 1).to(device)
@@ -194,17 +198,31 @@ class GpuImageFolderLoader:
     def _transform_apart(
         self, datas: Sequence[torch.Tensor], labels: Sequence[int], indices: Sequence[int], epoch: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]:
-        """:meth:`transform` in a pool thread, on its stream; the event its work ends with."""
+        """:meth:`transform` in a pool thread, on a stream of its own; the event its work ends with."""
         if self.device.type != "cuda":
             return (*self.transform(datas, labels, indices, epoch), None)
-        stream = getattr(self._streams, "stream", None)
-        if stream is None:
-            stream = self._streams.stream = torch.cuda.Stream(self.device)
-        with torch.cuda.stream(stream):
-            images, targets = self.transform(datas, labels, indices, epoch)
-            done = torch.cuda.Event()
-            done.record(stream)
+        stream = self._lend_stream()
+        try:
+            # The stream's last batch done first: torchvision's decode allocates its output on
+            # the current stream but writes it on a stream of its own, without waiting for
+            # this one, so it could write blocks that queued kernels still read (pytorch/vision
+            # #9606). One at a time, the caller's wait for each batch does this.
+            stream.synchronize()
+            with torch.cuda.stream(stream):
+                images, targets = self.transform(datas, labels, indices, epoch)
+                done = torch.cuda.Event()
+                done.record(stream)
+        finally:
+            self._streams.put(stream)
         return images, targets, done
+
+    def _lend_stream(self) -> torch.cuda.Stream:
+        """A stream no other pool thread uses now, made when none is free: at most ``threads``
+        are ever made, as each of the pool's ``threads`` threads gives its stream back."""
+        try:
+            return self._streams.get_nowait()
+        except queue.Empty:
+            return torch.cuda.Stream(self.device)
 
     def _handed(
         self, images: torch.Tensor, targets: torch.Tensor, done: torch.cuda.Event | None

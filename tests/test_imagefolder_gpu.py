@@ -179,6 +179,7 @@ def test_a_batch_that_fails_in_a_thread_raises_in_the_caller_and_leaves_no_threa
     good = make_loader(root, batch_size=BATCH, num_workers=0, device="cpu", decoder="pillow", threads=3)
     it = iter(good)
     next(it)
+    assert sum(t.name.startswith("gpu-pipeline") for t in threading.enumerate()) == 3  # (made there)
     it.close()  # (a generator left early)
     assert not any(t.name.startswith("gpu-pipeline") for t in threading.enumerate())
 
