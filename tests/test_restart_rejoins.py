@@ -835,3 +835,49 @@ def test_a_trainer_epochs_ahead_of_a_successor_that_starts_an_epoch_again_gets_n
     results = _ahead_of_an_unrepeatable_restart(name, tmp_path, pauses, samples, slots=8, epochs=epochs)
     for r in results.values():
         _each_epoch_once_after_what_came_again(r, samples, epochs)
+
+
+def test_a_late_joiner_restarted_in_its_partial_first_epoch_is_told_what_it_had(name, tmp_path):
+    """A chaos helper's case. Trainer N joins epoch 0 part-way (``late_join="now"``, no replay)
+    and holds its first 2 batches when the producer is SIGKILLed; the loader cannot repeat its
+    order, so the successor starts epoch 0 again. N had only the batches from where it joined:
+    ``repeated`` counts those. Before, it counted from the epoch's batch 0 (its position in the
+    epoch, not what it had received): 10 said where N had 7, its join index too many."""
+    out, log, first = SPAWN.Queue(), tmp_path / "producer.log", (SPAWN.Event(), SPAWN.Event())
+    extra = ("--epochs", "1", "--replay", "0", "--arg", "delay=0.05")  # (5 batches a second)
+    state = restart.state_path(endpoint.resolve(name))
+    lives: list[subprocess.Popen] = []
+    trainers = {"P": SPAWN.Process(target=_trainer, args=(name, "P", out))}
+    trainers["P"].start()
+    try:
+        lives.append(_serve(name, "unrepeatable", log, extra))
+        wait_until(
+            lambda: state.exists() and restart.read(state).point.index >= 3, 60, "3 batches of epoch 0"
+        )
+        trainers["N"] = SPAWN.Process(
+            target=_consume, args=(name, {"label": "N", "late_join": "now"}, out, first, 2)
+        )
+        trainers["N"].start()
+        assert first[0].wait(60)  # (N holds its first 2 batches)
+        lives[0].kill()
+        lives[0].wait()
+        lives.append(_serve(name, "unrepeatable", log, extra))
+        first[1].set()
+        results = {r["options"]["label"]: r for r in (out.get(timeout=120) for _ in trainers)}
+        assert lives[1].wait(timeout=120) == 0, log.read_text()[-3000:]
+    finally:
+        first[1].set()
+        for life in lives:
+            if life.poll() is None:
+                life.kill()
+                life.wait()
+        for p in trainers.values():
+            p.join(timeout=30)
+    assert "starting that epoch again" in log.read_text()
+    for r in results.values():
+        assert "error" not in r and r["missed"] is None, r
+        [epoch0] = r["seen"]
+        again = r["repeated"] or 0
+        assert len(epoch0) == SAMPLES + again * ROWS, (r["options"]["label"], again, len(epoch0))
+        assert sorted(i for i, _ in epoch0[again * ROWS :]) == list(range(SAMPLES))
+    assert results["N"]["repeated"] >= 2

@@ -48,6 +48,10 @@ class Inbox:
         # after a switch to a stream that starts an epoch before ours again: its epochs before ours
         self.drop_before_epoch = -1
         self.rejoined_at: tuple[int, int] | None = None  # after a rejoin: where the next batch should be
+        # The epoch of the last batch received and where in it the first batch received was (a
+        # late joiner's first epoch starts part-way): what it had comes again after a restart.
+        # Restored: its epoch, from its start (what its checkpoint had of it).
+        self.began: tuple[int, int] = (-1, 0) if settings.resume is None else (settings.resume[1], 0)
         self.size = 1 if settings.group is None else settings.group[2]
         self.batches_per_epoch: int | None = None
         self.last_seen = time.monotonic()  # the last message from the producer, read by either thread
@@ -104,6 +108,8 @@ class Inbox:
             else:  # (what _new notes, inline)
                 self.last_seq = seq
                 self.next_at = (epoch, (index // self.size + 1) * self.size)
+                if epoch != self.began[0]:
+                    self.began = (epoch, index // self.size * self.size)
             if self.freed is not None:  # a batch before it was lost: yield none after it
                 self._send(protocol.encode_release([seq]))
                 return True
@@ -212,6 +218,8 @@ class Inbox:
             self.next_at = (epoch + 1, 0)
         else:
             self.next_at = (epoch, (index // self.size + 1) * self.size)
+            if epoch != self.began[0]:
+                self.began = (epoch, index // self.size * self.size)
         return True
 
     def _after_rejoin(self, kind: Kind, at_epoch: int, at_index: int) -> None:

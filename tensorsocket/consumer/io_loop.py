@@ -346,8 +346,12 @@ class ConsumerIo(Inbox):
             # from its start: what we had of it comes again (a group rank had one batch a round).
             # Its READY, or a HELLO to the next successor, names that start on the new stream.
             epoch, index = self.next_at
-            again = index // self.size
+            # What we had of it: from the first batch we got of it (a late joiner's first epoch
+            # starts part-way; none of it, when nothing of it came: its end was our last entry)
+            had_from = self.began[1] if self.began[0] == epoch else index
+            again = (index - had_from) // self.size
             self.stream, self.drop_through, self.next_at = welcome["stream"], -1, (epoch, 0)
+            self.began = (epoch, 0)  # (from its start on the new stream)
             if self.settings.group is None:
                 # The new stream places us only at an epoch's start: the epochs between its
                 # first and ours, which we had, are dropped. (A group's ranks are sent the same
