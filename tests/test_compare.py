@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -245,28 +246,38 @@ def test_summary_of_repeats_quotes_the_median_and_the_gpu_columns() -> None:
     )
 
 
-def test_a_producer_hosted_in_a_trainers_process_serves_it_and_the_others_exactly(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _run_once_apart(env: dict[str, str], cfg: dict, rundir: Path, out: Any) -> None:
+    """``compare.run_once`` in a process of its own: it reaps every child of its process (the
+    orphans of the run's processes), which in pytest's would be the forkserver's and the
+    resource tracker's too."""
+    os.environ.update(env)  # (what the run's processes inherit)
+    out.put(compare.run_once(compare.GPU_SYSTEM, 2, cfg, None, rundir))
+
+
+def test_a_producer_hosted_in_a_trainers_process_serves_it_and_the_others_exactly(tmp_path: Path) -> None:
     """``hosted``: the producer serves from a thread of trainer 0's process (issue 17's way to a
     CUDA context fewer), on the GPU path's CPU stand-in. Every trainer gets every batch once and
     the same batches; the hosting process is a trainer, and no producer process is started.
     Each trains a model (the torchvision stand-in), the hosting one's made before its producer
     starts."""
     from producer.imagefolder import make_dataset
+    from tests.support import SPAWN
 
     (tmp_path / "stand-in" / "torchvision").mkdir(parents=True)
     (tmp_path / "stand-in" / "torchvision" / "__init__.py").write_text(TINY_TORCHVISION)
     paths = [str(tmp_path / "stand-in"), os.environ.get("PYTHONPATH", "")]
-    monkeypatch.setenv(
-        "PYTHONPATH", os.pathsep.join(p for p in paths if p)
-    )  # inherited by the run's processes
-    monkeypatch.setenv(compare.FAKE_CUDA, "1")
+    env = {"PYTHONPATH": os.pathsep.join(p for p in paths if p), compare.FAKE_CUDA: "1"}
     cfg = CFG | {
         "data": str(make_dataset(tmp_path / "jpeg", count=48)), "images": 48, "epochs": 2, "workers": 1,
         "producer_workers": 1, "step_ms": 1.0, "timeout": 90.0, "model": "resnet18", "hosted": True,
     }  # fmt: skip
-    run = compare.run_once(compare.GPU_SYSTEM, 2, cfg, None, tmp_path / "run")
+    out = SPAWN.Queue()
+    apart = SPAWN.Process(target=_run_once_apart, args=(env, cfg, tmp_path / "run", out))
+    apart.start()
+    try:
+        run = out.get(timeout=240)
+    finally:
+        apart.join(timeout=30)
     assert run["exact"], run["problems"]
     assert run["delivered_samples_per_trainer"] == [96, 96]
     hosting, other = run["processes"]
