@@ -495,8 +495,9 @@ def test_consumers_that_hold_every_place_between_them_while_all_wait_get_one_mor
 
 def test_under_skip_stragglers_holding_every_place_do_not_pace_the_leader(name, caplog):
     """stragglers="skip" promises that a straggler's held batches never pace the others. Three
-    trainers that stop in turn (an evaluation, a checkpoint), each holding what its loop and
-    queue hold (2 batches), hold all 3 x slots = 6 places between them. Before: the leading
+    trainers that stop in turn (an evaluation, a checkpoint), each holding 2 batches (the one
+    it took and the one before it, whatever was read ahead), hold all 3 x slots = 6 places
+    between them. Before: the leading
     trainer then waited until they went on (a fuzzing helper saw 8.8 s; here, until their 20 s
     stop ended). Now the producer adds places while it waits, and every trainer's batches seen
     plus skipped are the epoch, each once."""
@@ -513,19 +514,25 @@ def test_under_skip_stragglers_holding_every_place_do_not_pace_the_leader(name, 
 
     def train(label: str, stop_at: int | None) -> None:
         seen[label] = []
+        previous = None  # the batch before this one, held too: two places, read ahead or not
         with Consumer(name=name, timeout=30, label=label) as consumer:
             for batch in consumer:
                 seen[label].append(int(batch[0, 0]))
-                if len(seen[label]) == stop_at:
+                if stop_at is not None and seen[label][-1] >= stop_at and label not in stops:
+                    stops[label] = seen[label][-2:]
                     stopped.append(label)
-                    go_on.wait(20)  # (holding this batch and the one queued after it)
+                    go_on.wait(20)  # (holding this batch and the one before it)
                     stopped.remove(label)
+                previous = batch  # noqa: F841  (held until the next one is taken)
                 time.sleep(0.005)
             skipped[label] = consumer.skipped
         if stop_at is None:
             stopped_as_the_leader_ended.append(sorted(stopped))
 
-    trainers = {"leader": None, "first": 3, "second": 7, "third": 11}
+    # Each stops at the first batch it gets from this one on: far apart, so that the batches
+    # they hold are 6 distinct ones however the load has them skip (max_lag=1) before it
+    trainers = {"leader": None, "first": 2, "second": 12, "third": 24}
+    stops: dict[str, list[int]] = {}  # what each straggler held in its stop
     threads = [threading.Thread(target=train, args=item, daemon=True) for item in trainers.items()]
     try:
         for t in threads:
@@ -544,6 +551,7 @@ def test_under_skip_stragglers_holding_every_place_do_not_pace_the_leader(name, 
     )
     for label in trainers:
         assert seen[label] == sorted(set(seen[label])) and len(seen[label]) + skipped[label] == batches, label
+    assert len({i for held in stops.values() for i in held}) == 6, stops  # every place held
     assert "with a consumer waiting for the next batch (stragglers=skip" in caplog.text
 
 
