@@ -206,6 +206,11 @@ def _ts_system(device: str) -> str:
     return "tensorsocket" if device == "cpu" else "tensorsocket-gpu"
 
 
+def _producer_figures(status: dict[str, Any]) -> dict[str, Any]:
+    """What a producer's report keeps of its ``status()``: batches published and where its time went."""
+    return {k: status.get(k) for k in ("published", "loader_wait", "slot_wait", "publish_time", "slot_bytes")}
+
+
 def role_ts_producer(args: argparse.Namespace) -> None:
     """This repository's producer; ``--device cuda:0`` keeps the batches in GPU memory."""
     import tensorsocket
@@ -223,9 +228,7 @@ def role_ts_producer(args: argparse.Namespace) -> None:
         producer.serve(epochs=args.epochs)
         status = producer.status()
     report.data["main_process_cpu_s"] = time.process_time() - cpu0
-    report.data.update(
-        {k: status.get(k) for k in ("published", "loader_wait", "slot_wait", "publish_time", "slot_bytes")}
-    )
+    report.data.update(_producer_figures(status))
     report.data["complete"] = True
     report.write(force=True)
 
@@ -298,9 +301,7 @@ def role_ts_hosting_trainer(args: argparse.Namespace) -> None:
         if server.is_alive():
             raise RuntimeError("the hosted producer did not finish within 60 s of its trainer")
         status = producer.status()
-    report.data["producer"] = {
-        k: status.get(k) for k in ("published", "loader_wait", "slot_wait", "publish_time", "slot_bytes")
-    }
+    report.data["producer"] = _producer_figures(status)
     report.write(force=True)
 
 
