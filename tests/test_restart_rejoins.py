@@ -87,6 +87,18 @@ def _wait_for_the_state_file(name: str, consumers: int, what: str) -> None:
     )
 
 
+def end_all(lives: list[subprocess.Popen], trainers: Any) -> None:
+    """Kill the producers still running and join the trainers, going on any stopped one."""
+    for life in lives:
+        if life.poll() is None:
+            life.kill()
+            life.wait()
+    for p in trainers:
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGCONT)
+        p.join(timeout=30)
+
+
 def _joins(log: Any) -> int:
     return len(re.findall(r" (?:re)?joined[^(]*\(", log.read_text())) if log.exists() else 0
 
@@ -796,14 +808,7 @@ def test_a_successor_that_started_an_epoch_again_killed_before_its_first_batch_i
         results = [out.get(timeout=120) for _ in trainers]
         assert lives[2].wait(timeout=120) == 0, log.read_text()[-3000:]
     finally:
-        for life in lives:
-            if life.poll() is None:
-                life.kill()
-                life.wait()
-        for p in trainers.values():
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGCONT)
-            p.join(timeout=30)
+        end_all(lives, trainers.values())
     for r in results:
         assert "error" not in r and r["missed"] is None, r
         again, seen = r["repeated"], r["seen"]

@@ -233,8 +233,13 @@ class Inbox:
             # An epoch's end marker is not held, so it may have been in flight when the producer
             # died while the successor starts after it: end that epoch here, as it would have.
             self.shared.queue.put((EPOCH_END, ended))
-        first = (at_epoch, at_index - at_index % self.size) if kind is Kind.BATCH else None
-        if first is None or first == (epoch, index):
+        if kind is Kind.BATCH:
+            first = (at_epoch, at_index - at_index % self.size)
+        elif self.batches_per_epoch is not None:  # an epoch's end: past its last batch
+            first = (at_epoch, self.batches_per_epoch)
+        else:
+            return  # (how many came before that end cannot be told)
+        if first == (epoch, index):
             return
         lost = resume.missed(resume.Position(self.stream, epoch, index), *first, self.batches_per_epoch)
         if lost:

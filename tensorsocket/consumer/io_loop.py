@@ -356,7 +356,9 @@ class ConsumerIo(Inbox):
                 # The new stream places us only at an epoch's start: the epochs between its
                 # first and ours, which we had, are dropped. (A group's ranks are sent the same
                 # epochs, which they may straddle: dropping could make their shares unequal.)
-                self.drop_before_epoch = epoch
+                # Placed past that start (we rejoin after it stopped waiting for us, and it no
+                # longer has it), the first entry ends our epoch and counts what we missed.
+                self.drop_before_epoch, self.rejoined_at = epoch, (epoch, 0)
             self.last_seq, self.rejoins_fresh = -1, True  # (its numbers are the old stream's)
             log.warning(
                 "the producer at %s started epoch %d again from its first batch, as a new stream (its loader "

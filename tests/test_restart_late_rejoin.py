@@ -1,0 +1,148 @@
+"""A trainer that rejoins a successor which starts its epoch again (its loader cannot repeat
+its order) only after the successor stopped waiting for it and published on. Real processes:
+a ``tensorsocket serve --resume`` producer SIGKILLed, its successor served, trainers spawned
+and stopped (SIGSTOP) across the restart."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+
+from tensorsocket import endpoint
+from tensorsocket.cli.query import query_status
+from tensorsocket.consumer.inbox import Inbox
+from tensorsocket.consumer.shared import EPOCH_END, Settings, Shared
+from tensorsocket.producer import restart
+from tensorsocket.protocol import Kind
+from tests.support import SPAWN, wait_until
+from tests.test_restart import ROWS, SAMPLES, _consume, _serve
+from tests.test_restart_rejoins import end_all
+
+EPOCHS = 3
+BATCHES = SAMPLES // ROWS
+
+
+def _late_rejoiners(name: str, tmp_path: Any) -> dict[str, dict[str, Any]]:
+    """Trainers P, S (``late_join="replay"``) and N (``"now"``); S and N are stopped once
+    each had a few batches of epoch 0, the producer is SIGKILLed and an ``unrepeatable``
+    successor without replay (``--replay 0``) starts epoch 0 again. It waits 1 s (``--grace``)
+    for S and N, then serves P; once its first 4 places were reused, S and N go on and
+    rejoin. What each saw, by label."""
+    out, log = SPAWN.Queue(), tmp_path / "producer.log"
+    extra = ("--epochs", str(EPOCHS), "--replay", "0", "--arg", "delay=0.05")  # (20 batches a second)
+    options = {"P": {}, "S": {}, "N": {"late_join": "now"}}
+    trainers = {
+        label: SPAWN.Process(target=_consume, args=(name, {"label": label, **o}, out))
+        for label, o in options.items()
+    }
+    state, address, lives = restart.state_path(endpoint.resolve(name)), endpoint.resolve(name), []
+    for p in trainers.values():
+        p.start()
+    try:
+        lives.append(_serve(name, "unrepeatable", log, extra))
+        wait_until(
+            lambda: (
+                state.exists() and restart.read(state).point.index >= 3 and restart.read(state).consumers == 3
+            ),
+            60,
+            "3 batches of epoch 0 to the 3 trainers",
+        )
+        for label in ("S", "N"):
+            os.kill(trainers[label].pid, signal.SIGSTOP)
+        lives[0].kill()
+        lives[0].wait()
+        lives.append(_serve(name, "unrepeatable", log, (*extra, "--grace", "1")))
+        wait_until(lambda: _published(address) >= 8, 60, "the successor to publish 8 batches")
+        for label in ("S", "N"):
+            os.kill(trainers[label].pid, signal.SIGCONT)
+        results = {r["options"]["label"]: r for r in (out.get(timeout=120) for _ in trainers)}
+        assert lives[1].wait(timeout=120) == 0, log.read_text()[-3000:]
+    finally:
+        end_all(lives, trainers.values())
+    text = log.read_text()
+    assert "starting that epoch again" in text, text[-3000:]
+    return results
+
+
+def _published(address: str) -> int:
+    try:
+        return query_status(address, 2)["published"]
+    except Exception:  # (not bound yet, or busy bringing its loader back)
+        time.sleep(0.05)
+        return 0
+
+
+def _once_each(epoch: list[Any]) -> bool:
+    return sorted(i for i, _ in epoch) == list(range(SAMPLES))
+
+
+def test_a_trainer_rejoining_a_restarted_epoch_too_late_is_told_what_it_missed(name, tmp_path):
+    """S and N had batches of epoch 0 when the producer died; its successor starts epoch 0
+    again as a new stream and, without them, serves P. When they rejoin, the new epoch 0's
+    first batches are gone (no replay): S (late joiner by replay) is placed at epoch 1, N
+    (``late_join="now"``) part-way into epoch 0. Before, neither was told: S's epoch 0 ran on
+    into epoch 1's batches (2 epochs of a 3-epoch stream), and N got the rest of the new epoch
+    0 after what it had of the old one, with ``missed`` None. Now S's epoch 0 ends where it
+    rejoined, and each counts in ``missed`` the new epoch's batches it did not get: what it had
+    of epoch 0 (``repeated``), plus what came of it, is the whole epoch less ``missed``."""
+    results = _late_rejoiners(name, tmp_path)
+    for label, r in results.items():
+        assert "error" not in r, r
+        seen, again, missed = r["seen"], r["repeated"] or 0, r["missed"] or 0
+        assert len(seen) == EPOCHS, (label, again, missed, [len(e) for e in seen])
+        assert len(seen[0]) == (again + BATCHES - missed) * ROWS, (label, again, missed, len(seen[0]))
+        assert all(_once_each(e) for e in seen[1:]), label
+        if missed < BATCHES:  # (what came of the new epoch 0: each sample at most once)
+            new = [i for i, _ in seen[0][again * ROWS :]]
+            assert len(set(new)) == len(new), label
+    assert results["P"]["missed"] is None and _once_each(results["P"]["seen"][0][-SAMPLES:])
+    s, n = results["S"], results["N"]
+    assert s["repeated"] >= 3 and s["missed"] == BATCHES, s["missed"]  # placed at epoch 1
+    assert n["repeated"] >= 3 and 4 <= n["missed"] < BATCHES, n["missed"]  # placed past 4 reused places
+
+
+def _inbox_rejoined_at(at: tuple[int, int], batches_per_epoch: int | None) -> Inbox:
+    """A consumer's inbox (no link: nothing is released here) that rejoined at ``at``."""
+    settings = Settings("ipc:///nowhere", "t", 1.0, 1, "replay", None, None, None, False)
+    inbox = Inbox(Shared(), settings, link=None, stream="s")  # type: ignore[arg-type]
+    inbox.rejoined_at, inbox.batches_per_epoch = at, batches_per_epoch
+    return inbox
+
+
+def _ends_queued(inbox: Inbox) -> list[int]:
+    ended = []
+    while not inbox.shared.queue.empty():
+        kind, payload = inbox.shared.queue.get()
+        assert kind == EPOCH_END
+        ended.append(payload)
+    return ended
+
+
+@pytest.mark.parametrize(
+    ("first", "ended", "missed"),
+    [
+        ((Kind.BATCH, 1, 5), [], 0),  # where it should be
+        ((Kind.BATCH, 1, 9), [], 4),  # past it in its epoch
+        ((Kind.BATCH, 2, 3), [1], 19 + 3),  # in the next epoch: its epoch ends first
+        ((Kind.EPOCH_END, 1, 0), [], 19),  # its epoch's end: the rest of that epoch
+        ((Kind.EPOCH_END, 3, 0), [1, 2], 19 + 24 + 24),  # a later epoch's end
+    ],
+)
+def test_what_a_rejoin_lost_is_counted_from_the_first_entry_whatever_it_is(first, ended, missed):
+    """A rejoined consumer (at batch 5 of epoch 1, 24 batches an epoch) counts in ``missed``
+    the batches between there and its first entry, and ends the epochs it jumps over. An epoch
+    end as the first entry counts the rest of that epoch (before, it counted nothing)."""
+    inbox = _inbox_rejoined_at((1, 5), 24)
+    kind, epoch, index = first
+    assert inbox._new(kind, 100, epoch, index)
+    assert (_ends_queued(inbox), inbox.shared.missed, inbox.rejoined_at) == (ended, missed, None)
+
+
+def test_an_epoch_end_first_after_a_rejoin_counts_nothing_when_the_epoch_length_is_unknown():
+    inbox = _inbox_rejoined_at((1, 5), None)
+    assert inbox._new(Kind.EPOCH_END, 100, 2, 0)
+    assert (_ends_queued(inbox), inbox.shared.missed) == ([1], 0)
