@@ -369,9 +369,10 @@ def _main() -> None:
     # Said before the dataset is made (seconds of JPEG encoding) when this cannot run here.
     early = argparse.ArgumentParser(add_help=False)
     options(early)
-    asked, _ = early.parse_known_args()
+    asked, rest = early.parse_known_args()
     try:
-        _check_device(asked.device, asked.decoder)
+        if not {"-h", "--help"} & set(rest):  # (its options are listed anywhere)
+            _check_device(asked.device, asked.decoder)
     except (GpuPipelineUnavailable, ValueError) as exc:
         raise SystemExit(str(exc)) from None
 

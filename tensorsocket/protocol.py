@@ -131,9 +131,34 @@ def _resume(v: Any) -> bool:
     )
 
 
+# Streams a restarted one names besides the one it replaced (see replaced_streams)
+MAX_EARLIER_STREAMS = 16
+
+
 def _restarted(v: Any) -> bool:
-    # [stream, epoch]: this stream replaced that one, whose epoch it publishes again from its start
-    return type(v) is list and len(v) == 2 and _str(64)(v[0]) and _int()(v[1])
+    # [stream, epoch, *earlier]: see replaced_streams
+    return (
+        type(v) is list
+        and 2 <= len(v) <= 2 + MAX_EARLIER_STREAMS
+        and _str(64)(v[0])
+        and _int()(v[1])
+        and all(map(_str(64), v[2:]))
+    )
+
+
+def replaced_streams(restarted: list[Any] | None) -> list[str]:
+    """The streams whose consumers rejoin a stream that started an epoch again (its WELCOME's
+    and state file's ``restarted``: [stream, epoch, *earlier]): the stream it replaced, whose
+    ``epoch`` it publishes again from its start, and the streams that one had replaced in turn
+    (a successor killed after it published: its consumers' predecessors' consumers, stopped
+    meanwhile, may rejoin still). Each rejoins at its own epoch's start, that epoch or a later."""
+    return [] if restarted is None else [restarted[0], *restarted[2:]]
+
+
+def restarting(stream: str, epoch: int, restarted: list[Any] | None) -> list[Any]:
+    """The ``restarted`` of a stream that starts ``epoch`` of ``stream`` again, which itself
+    had ``restarted`` (the earliest streams dropped past MAX_EARLIER_STREAMS)."""
+    return [stream, epoch, *replaced_streams(restarted)[:MAX_EARLIER_STREAMS]]
 
 
 def _any(v: Any) -> bool:

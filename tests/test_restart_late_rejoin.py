@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from tensorsocket import endpoint
+from tensorsocket import endpoint, protocol
 from tensorsocket.cli.query import query_status
 from tensorsocket.consumer.inbox import Inbox
-from tensorsocket.consumer.shared import EPOCH_END, Settings, Shared
+from tensorsocket.consumer.shared import END, EPOCH_END, Settings, Shared
 from tensorsocket.producer import restart
 from tensorsocket.protocol import Kind
 from tests.support import SPAWN, wait_until
@@ -26,12 +26,14 @@ EPOCHS = 3
 BATCHES = SAMPLES // ROWS
 
 
-def _late_rejoiners(name: str, tmp_path: Any) -> dict[str, dict[str, Any]]:
+def _late_rejoiners(name: str, tmp_path: Any, successors: int) -> dict[str, dict[str, Any]]:
     """Trainers P, S (``late_join="replay"``) and N (``"now"``); S and N are stopped once
     each had a few batches of epoch 0, the producer is SIGKILLed and an ``unrepeatable``
     successor without replay (``--replay 0``) starts epoch 0 again. It waits 1 s (``--grace``)
-    for S and N, then serves P; once its first 4 places were reused, S and N go on and
-    rejoin. What each saw, by label."""
+    for S and N, then serves P. With 2 ``successors``, it is SIGKILLed once it published 6
+    batches, and the next starts epoch 0 again once more (its order is not the first
+    successor's either). Once the last successor's first 4 places were reused, S and N go on
+    and rejoin. What each saw, by label."""
     out, log = SPAWN.Queue(), tmp_path / "producer.log"
     extra = ("--epochs", str(EPOCHS), "--replay", "0", "--arg", "delay=0.05")  # (20 batches a second)
     options = {"P": {}, "S": {}, "N": {"late_join": "now"}}
@@ -55,12 +57,17 @@ def _late_rejoiners(name: str, tmp_path: Any) -> dict[str, dict[str, Any]]:
             os.kill(trainers[label].pid, signal.SIGSTOP)
         lives[0].kill()
         lives[0].wait()
-        lives.append(_serve(name, "unrepeatable", log, (*extra, "--grace", "1")))
+        for life in range(successors):
+            if life:
+                wait_until(lambda: _published(address) >= 6, 60, "the successor to publish 6 batches")
+                lives[-1].kill()
+                lives[-1].wait()
+            lives.append(_serve(name, "unrepeatable", log, (*extra, "--grace", "1")))
         wait_until(lambda: _published(address) >= 8, 60, "the successor to publish 8 batches")
         for label in ("S", "N"):
             os.kill(trainers[label].pid, signal.SIGCONT)
         results = {r["options"]["label"]: r for r in (out.get(timeout=120) for _ in trainers)}
-        assert lives[1].wait(timeout=120) == 0, log.read_text()[-3000:]
+        assert lives[-1].wait(timeout=120) == 0, log.read_text()[-3000:]
     finally:
         end_all(lives, trainers.values())
     text = log.read_text()
@@ -80,7 +87,8 @@ def _once_each(epoch: list[Any]) -> bool:
     return sorted(i for i, _ in epoch) == list(range(SAMPLES))
 
 
-def test_a_trainer_rejoining_a_restarted_epoch_too_late_is_told_what_it_missed(name, tmp_path):
+@pytest.mark.parametrize("successors", [1, 2])
+def test_a_trainer_rejoining_a_restarted_epoch_too_late_is_told_what_it_missed(name, tmp_path, successors):
     """S and N had batches of epoch 0 when the producer died; its successor starts epoch 0
     again as a new stream and, without them, serves P. When they rejoin, the new epoch 0's
     first batches are gone (no replay): S (late joiner by replay) is placed at epoch 1, N
@@ -88,8 +96,12 @@ def test_a_trainer_rejoining_a_restarted_epoch_too_late_is_told_what_it_missed(n
     into epoch 1's batches (2 epochs of a 3-epoch stream), and N got the rest of the new epoch
     0 after what it had of the old one, with ``missed`` None. Now S's epoch 0 ends where it
     rejoined, and each counts in ``missed`` the new epoch's batches it did not get: what it had
-    of epoch 0 (``repeated``), plus what came of it, is the whole epoch less ``missed``."""
-    results = _late_rejoiners(name, tmp_path)
+    of epoch 0 (``repeated``), plus what came of it, is the whole epoch less ``missed``.
+
+    With 2 successors, S and N rejoin a stream that replaced the one that replaced theirs.
+    Before, they raised ProducerLost ("serves another stream"): a stream named only the one it
+    replaced. Now it names those that one replaced too."""
+    results = _late_rejoiners(name, tmp_path, successors)
     for label, r in results.items():
         assert "error" not in r, r
         seen, again, missed = r["seen"], r["repeated"] or 0, r["missed"] or 0
@@ -105,18 +117,28 @@ def test_a_trainer_rejoining_a_restarted_epoch_too_late_is_told_what_it_missed(n
     assert n["repeated"] >= 3 and 4 <= n["missed"] < BATCHES, n["missed"]  # placed past 4 reused places
 
 
+class _Sent(list):
+    """A link that keeps what is sent on it (a BYE at the stream's end)."""
+
+    send = list.append
+
+
 def _inbox_rejoined_at(at: tuple[int, int], batches_per_epoch: int | None) -> Inbox:
-    """A consumer's inbox (no link: nothing is released here) that rejoined at ``at``."""
+    """A consumer's inbox that rejoined at ``at``."""
     settings = Settings("ipc:///nowhere", "t", 1.0, 1, "replay", None, None, None, False)
-    inbox = Inbox(Shared(), settings, link=None, stream="s")  # type: ignore[arg-type]
+    inbox = Inbox(Shared(), settings, link=_Sent(), stream="s")  # type: ignore[arg-type]
     inbox.rejoined_at, inbox.batches_per_epoch = at, batches_per_epoch
     return inbox
 
 
 def _ends_queued(inbox: Inbox) -> list[int]:
+    """The epochs ended in the queue (its last entry: the stream's end, if it came)."""
     ended = []
     while not inbox.shared.queue.empty():
         kind, payload = inbox.shared.queue.get()
+        if kind == END:
+            assert inbox.shared.queue.empty()
+            break
         assert kind == EPOCH_END
         ended.append(payload)
     return ended
@@ -130,15 +152,21 @@ def _ends_queued(inbox: Inbox) -> list[int]:
         ((Kind.BATCH, 2, 3), [1], 19 + 3),  # in the next epoch: its epoch ends first
         ((Kind.EPOCH_END, 1, 0), [], 19),  # its epoch's end: the rest of that epoch
         ((Kind.EPOCH_END, 3, 0), [1, 2], 19 + 24 + 24),  # a later epoch's end
+        ((Kind.END, 2, 0), [1], 19),  # the stream's end after its epoch
+        ((Kind.END, 4, 0), [1, 2, 3], 19 + 24 + 24),  # after later epochs
     ],
 )
 def test_what_a_rejoin_lost_is_counted_from_the_first_entry_whatever_it_is(first, ended, missed):
     """A rejoined consumer (at batch 5 of epoch 1, 24 batches an epoch) counts in ``missed``
     the batches between there and its first entry, and ends the epochs it jumps over. An epoch
-    end as the first entry counts the rest of that epoch (before, it counted nothing)."""
+    end or the stream's end as the first entry counts the rest of that epoch (before, each
+    counted nothing, and the stream's end ended no epoch)."""
     inbox = _inbox_rejoined_at((1, 5), 24)
     kind, epoch, index = first
-    assert inbox._new(kind, 100, epoch, index)
+    if kind is Kind.END:
+        assert inbox._other(kind, {"seq": 100, "epoch": epoch, "reason": None})
+    else:
+        assert inbox._new(kind, 100, epoch, index)
     assert (_ends_queued(inbox), inbox.shared.missed, inbox.rejoined_at) == (ended, missed, None)
 
 
@@ -146,3 +174,15 @@ def test_an_epoch_end_first_after_a_rejoin_counts_nothing_when_the_epoch_length_
     inbox = _inbox_rejoined_at((1, 5), None)
     assert inbox._new(Kind.EPOCH_END, 100, 2, 0)
     assert (_ends_queued(inbox), inbox.shared.missed) == ([1], 0)
+
+
+def test_a_stream_started_again_names_the_streams_its_predecessor_had_replaced_up_to_a_bound():
+    first = protocol.restarting("s1", 0, None)
+    assert first == ["s1", 0] and protocol.replaced_streams(first) == ["s1"]
+    second = protocol.restarting("s2", 1, first)
+    assert second == ["s2", 1, "s1"] and protocol.replaced_streams(None) == []
+    chain = None
+    for n in range(40):
+        chain = protocol.restarting(f"s{n}", n, chain)
+    assert protocol.replaced_streams(chain) == [f"s{n}" for n in range(39, 39 - 17, -1)]
+    assert protocol._restarted(chain) and not protocol._restarted([*chain, "one more"])

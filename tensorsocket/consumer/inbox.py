@@ -149,6 +149,8 @@ class Inbox:
         elif kind is Kind.EPOCH_END:
             shared.queue.put((EPOCH_END, msg["epoch"]))
         elif kind is Kind.END:
+            if self.rejoined_at is not None:  # placed past the stream's end: its epoch ends
+                self._after_rejoin(kind, msg["epoch"], 0)
             # Every earlier BATCH is built (so its arena mapped): tell the producer
             # it may now free its arenas.
             shared.stream_over = True
@@ -223,7 +225,8 @@ class Inbox:
         return True
 
     def _after_rejoin(self, kind: Kind, at_epoch: int, at_index: int) -> None:
-        """The first entry after a rejoin. An epoch end it jumps over is ended here. Batches
+        """The first entry after a rejoin (an epoch's end or the stream's: ``at_index`` 0). An
+        epoch end it jumps over is ended here. Batches
         between where we rejoined and it were lost (the successor no longer had them: say, a
         consumer joined with a replay just before the crash, before the state file said so):
         said, and counted in ``missed``."""
@@ -235,6 +238,8 @@ class Inbox:
             self.shared.queue.put((EPOCH_END, ended))
         if kind is Kind.BATCH:
             first = (at_epoch, at_index - at_index % self.size)
+        elif kind is Kind.END:  # the stream's end (``at_epoch``: the next, never begun)
+            first = (at_epoch, 0)
         elif self.batches_per_epoch is not None:  # an epoch's end: past its last batch
             first = (at_epoch, self.batches_per_epoch)
         else:
@@ -242,7 +247,7 @@ class Inbox:
         if first == (epoch, index):
             return
         lost = resume.missed(resume.Position(self.stream, epoch, index), *first, self.batches_per_epoch)
-        if lost:
+        if lost is not None and lost > 0:
             self.shared.missed += lost
             log.warning(
                 "rejoined at batch %d of epoch %d, which the producer no longer had: %d batches missed",

@@ -341,7 +341,7 @@ class ConsumerIo(Inbox):
             self.stream = welcome["stream"]
             self.shared.queue.put((RESTARTED, (self.stream, 0)))
             return True
-        if restarted is not None and restarted[0] == self.stream and self.next_at is not None:
+        if self.stream in protocol.replaced_streams(restarted) and self.next_at is not None:
             # Our epoch (the one started again, or one after it: each comes again, in a new order)
             # from its start: what we had of it comes again (a group rank had one batch a round).
             # Its READY, or a HELLO to the next successor, names that start on the new stream.

@@ -56,7 +56,7 @@ import numpy as np
 import numpy.random  # noqa: F401
 import torch
 
-from .. import fingerprints, layout
+from .. import fingerprints, layout, protocol
 from ..errors import StateFileError
 from ..flow import Flow
 from ..pooled_collate import LoaderPool
@@ -309,7 +309,7 @@ class Resumed:
     pending: list[Any] = field(default_factory=list)  # batch ``index``, pulled to check it: published first
     at_end: bool = False  # the epoch ends at ``index``: its end marker comes next
     loader_state: Any = None  # stateful, mid-epoch: the state loaded (the point's, for the next file)
-    restarted: list[Any] | None = None  # [old stream, epoch]: the epoch starts again, as a new stream
+    restarted: list[Any] | None = None  # the epoch starts again, as a new stream: protocol.replaced_streams
 
 
 def resume(
@@ -376,9 +376,8 @@ def resume(
         p.epoch, checked[1],
     )  # fmt: skip
     set_rng_state(loader, p.rng)
-    return Resumed(
-        new_stream, p.epoch, p.first_seq, 0, p.rng, state.consumers, {}, restarted=[state.stream, p.epoch]
-    )
+    again = protocol.restarting(state.stream, p.epoch, state.restarted)
+    return Resumed(new_stream, p.epoch, p.first_seq, 0, p.rng, state.consumers, {}, restarted=again)
 
 
 def rejoinable(flow: Flow) -> int:

@@ -104,7 +104,7 @@ class Config:
     batches_per_epoch: int | None
     samples_per_epoch: int | None
     stream: str = ""  # this stream's id (a restored consumer's position names the stream it is on)
-    restarted: list[Any] | None = None  # [old stream, epoch]: this stream starts that one's epoch again
+    restarted: list[Any] | None = None  # [old stream, epoch, *earlier]: protocol.replaced_streams
     succeeds: bool = False  # resumed a predecessor's stream (its consumers may write to us unawares)
 
 

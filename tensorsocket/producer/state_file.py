@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from .. import endpoint as endpoints
+from .. import protocol
 from ..errors import StateFileError
 
 FORMAT = 1
@@ -67,7 +68,7 @@ class State:
     point: Point
     fingerprints: dict[tuple[int, int], int]  # (epoch, index) -> content fingerprint, from the point - 1 on
     consumers: int  # with a position to lose (restart.rejoinable): a successor waits for their rejoins
-    restarted: list[Any] | None = None  # [old stream, epoch]: this stream started that one's epoch again
+    restarted: list[Any] | None = None  # [old stream, epoch, *earlier]: protocol.replaced_streams
 
 
 def encode(state: State) -> bytes:
@@ -117,9 +118,8 @@ def decode(data: bytes, where: str) -> State:
         restarted = record.get("restarted")  # (absent from a file an earlier version wrote)
         if restarted is not None and not (
             isinstance(restarted, list)
-            and len(restarted) == 2
-            and isinstance(restarted[0], str)
-            and 0 < len(restarted[0]) <= 64
+            and 2 <= len(restarted) <= 2 + protocol.MAX_EARLIER_STREAMS
+            and all(isinstance(s, str) and 0 < len(s) <= 64 for s in protocol.replaced_streams(restarted))
             and type(restarted[1]) is int
             and 0 <= restarted[1] < 2**62
         ):

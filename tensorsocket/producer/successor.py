@@ -179,7 +179,7 @@ def position(config: Config, resume: list[Any] | None) -> tuple[tuple[int, int] 
     if resume[0] == config.stream:
         return (resume[1], resume[2]), resume[3]
     restarted = config.restarted
-    if restarted is not None and resume[0] == restarted[0] and resume[3]:
+    if resume[0] in protocol.replaced_streams(restarted) and resume[3]:
         return (max(resume[1], restarted[1]), 0), True
     return None, False
 
