@@ -21,7 +21,7 @@ import msgpack
 from .errors import ProtocolError
 from .options import STRAGGLERS
 
-VERSION = 13
+VERSION = 14  # 14: a WELCOME's restarted names earlier replaced streams too
 #: Largest frame a consumer may send; the producer also sets ZMQ_MAXMSGSIZE to this.
 MAX_REQUEST_BYTES = 64 * 1024
 #: Largest frame a producer may send (a BATCH whose layout has very many leaves).
