@@ -14,6 +14,7 @@ import pytest
 
 from tensorsocket import endpoint, protocol
 from tensorsocket.cli.query import query_status
+from tensorsocket.consumer import resume
 from tensorsocket.consumer.inbox import Inbox
 from tensorsocket.consumer.shared import END, EPOCH_END, Settings, Shared
 from tensorsocket.producer import restart
@@ -123,9 +124,11 @@ class _Sent(list):
     send = list.append
 
 
-def _inbox_rejoined_at(at: tuple[int, int], batches_per_epoch: int | None) -> Inbox:
-    """A consumer's inbox that rejoined at ``at``."""
-    settings = Settings("ipc:///nowhere", "t", 1.0, 1, "replay", None, None, None, False)
+def _inbox_rejoined_at(
+    at: tuple[int, int], batches_per_epoch: int | None, group: tuple[str, int, int, str] | None = None
+) -> Inbox:
+    """A consumer's inbox that rejoined at ``at`` (a rank of ``group``: name, rank, size, tail)."""
+    settings = Settings("ipc:///nowhere", "t", 1.0, 1, "replay", None, None, None, False, group=group)
     inbox = Inbox(Shared(), settings, link=_Sent(), stream="s")  # type: ignore[arg-type]
     inbox.rejoined_at, inbox.batches_per_epoch = at, batches_per_epoch
     return inbox
@@ -186,3 +189,29 @@ def test_a_stream_started_again_names_the_streams_its_predecessor_had_replaced_u
         chain = protocol.restarting(f"s{n}", n, chain)
     assert protocol.replaced_streams(chain) == [f"s{n}" for n in range(39, 39 - 17, -1)]
     assert protocol._restarted(chain) and not protocol._restarted([*chain, "one more"])
+
+
+@pytest.mark.parametrize(
+    ("tail", "first", "missed"),
+    [
+        ("drop", (Kind.EPOCH_END, 1, 0), 0),  # its last round was its epoch's last
+        ("drop", (Kind.BATCH, 2, 0), 0),  # the next epoch's first round
+        ("pad", (Kind.EPOCH_END, 1, 0), 4),  # the padded last round (8, 9, 8, 9) went by
+        ("pad", (Kind.BATCH, 2, 0), 4),
+    ],
+)
+def test_a_group_rank_misses_nothing_past_the_last_round_it_is_sent(tail, first, missed):
+    """A rank of a group of 4 over 10-batch epochs rejoins after round 4-7 (at batch 8). With
+    ``group_tail="drop"`` the short last round goes to nobody: an epoch end or the next epoch
+    first is no loss (the reviewer's case: before, 2 batches were counted missed). With
+    ``"pad"`` it is sent, padded, and going past it misses that round."""
+    inbox = _inbox_rejoined_at((1, 8), 10, ("g", 1, 4, tail))
+    kind, epoch, index = first
+    assert inbox._new(kind, 100, epoch, index)
+    assert inbox.shared.missed == missed
+
+
+def test_an_epochs_span_is_its_batches_or_a_groups_last_round_end():
+    assert [resume.epoch_span(10, g) for g in (None, ("g", 0, 4, "drop"), ("g", 0, 4, "pad"))] == [10, 8, 12]
+    assert resume.epoch_span(12, ("g", 0, 4, "drop")) == resume.epoch_span(12, ("g", 0, 4, "pad")) == 12
+    assert resume.epoch_span(None, ("g", 0, 4, "pad")) is None

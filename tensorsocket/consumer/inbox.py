@@ -231,7 +231,7 @@ class Inbox:
         consumer joined with a replay just before the crash, before the state file said so):
         said, and counted in ``missed``."""
         epoch, index = self.rejoined_at  # type: ignore[misc]
-        self.rejoined_at = None
+        self.rejoined_at, span = None, resume.epoch_span(self.batches_per_epoch, self.settings.group)
         for ended in range(epoch, at_epoch):
             # An epoch's end marker is not held, so it may have been in flight when the producer
             # died while the successor starts after it: end that epoch here, as it would have.
@@ -240,13 +240,13 @@ class Inbox:
             first = (at_epoch, at_index - at_index % self.size)
         elif kind is Kind.END:  # the stream's end (``at_epoch``: the next, never begun)
             first = (at_epoch, 0)
-        elif self.batches_per_epoch is not None:  # an epoch's end: past its last batch
-            first = (at_epoch, self.batches_per_epoch)
+        elif span is not None:  # an epoch's end: past its last batch (a group rank's: its last round)
+            first = (at_epoch, span)
         else:
             return  # (how many came before that end cannot be told)
         if first == (epoch, index):
             return
-        lost = resume.missed(resume.Position(self.stream, epoch, index), *first, self.batches_per_epoch)
+        lost = resume.missed(resume.Position(self.stream, epoch, index), *first, span)
         if lost is not None and lost > 0:
             self.shared.missed += lost
             log.warning(

@@ -341,7 +341,10 @@ class ConsumerIo(Inbox):
             self.stream = welcome["stream"]
             self.shared.queue.put((RESTARTED, (self.stream, 0)))
             return True
-        if self.stream in protocol.replaced_streams(restarted) and self.next_at is not None:
+        replaced = protocol.replaced_streams(restarted)
+        if self.settings.group is not None:  # (a rank two restarts back: its group broke at the first)
+            replaced = replaced[:1]
+        if self.stream in replaced and self.next_at is not None:
             # Our epoch (the one started again, or one after it: each comes again, in a new order)
             # from its start: what we had of it comes again (a group rank had one batch a round).
             # Its READY, or a HELLO to the next successor, names that start on the new stream.

@@ -57,7 +57,8 @@ class Batches:
         self.stream, self.epoch, self.next_index = stream, None if restored is None else restored.epoch, 0
         self.pushed: collections.deque[tuple[int, int, int]] = collections.deque()
         self.pushed_epoch, self.handed, self.last = 0, 0, (0, 0)
-        self.restored, self.batches_per_epoch = restored, batches_per_epoch
+        # (where an epoch ends in this consumer's positions: for what a restore missed)
+        self.restored, self.epoch_span = restored, resume.epoch_span(batches_per_epoch, settings.group)
         if restored is not None:
             self.next_index = restored.index
         self.missed: int | None = None  # batches a restored consumer lost (None: none or not known)
@@ -188,7 +189,7 @@ class Batches:
         after a restore, say what was missed."""
         if self.restored is not None and not self.resume_checked:
             self.resume_checked = True
-            first = index - index % self.group_size if kind == BATCH else self.batches_per_epoch or index
+            first = index - index % self.group_size if kind == BATCH else self.epoch_span or index
             self._report_resume(epoch, first)  # a rank's first batch is its round's start + rank
         self.last, self.taken_any = (epoch, index), True
         if kind == EPOCH_END:
@@ -210,7 +211,7 @@ class Batches:
                 label, policy, index, epoch,
             )  # fmt: skip
             return
-        self.missed = resume.missed(restored, epoch, index, self.batches_per_epoch)
+        self.missed = resume.missed(restored, epoch, index, self.epoch_span)
         if self.missed or (self.missed is None and (epoch, index) != (restored.epoch, restored.index)):
             self.restored = None  # its offset is in a batch it will not get
             where = f"it goes on at batch {index} of epoch {epoch}"

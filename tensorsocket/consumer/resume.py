@@ -91,6 +91,18 @@ def offset_into(position: Position, samples: int) -> int:
     return position.offset
 
 
+def epoch_span(batches_per_epoch: int | None, group: tuple[str, int, int, str] | None) -> int | None:
+    """Where an epoch ends in a consumer's positions: its producer batches, or for a group rank
+    the end of the last round it is sent (``pad`` sends a short last round, padded: ceil(n /
+    size) rounds; ``drop`` sends it to nobody: floor(n / size)). A position past it was never
+    anybody's to miss. None when the producer's loader has no len()."""
+    if batches_per_epoch is None or group is None:
+        return batches_per_epoch
+    size = group[2]
+    rounds = -(-batches_per_epoch // size) if group[3] == "pad" else batches_per_epoch // size
+    return rounds * size
+
+
 def missed(position: Position, epoch: int, index: int, batches_per_epoch: int | None) -> int | None:
     """Producer batches between ``position`` and the first entry a restored consumer got
     (batch ``index`` of ``epoch``; ``index`` is that epoch's length for its end marker):

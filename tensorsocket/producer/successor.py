@@ -178,9 +178,11 @@ def position(config: Config, resume: list[Any] | None) -> tuple[tuple[int, int] 
         return None, False
     if resume[0] == config.stream:
         return (resume[1], resume[2]), resume[3]
-    restarted = config.restarted
-    if resume[0] in protocol.replaced_streams(restarted) and resume[3]:
-        return (max(resume[1], restarted[1]), 0), True
+    restarted, replaced = config.restarted, protocol.replaced_streams(config.restarted)
+    if resume[0] in replaced and resume[3]:
+        # One from a stream before the one we replaced did not rejoin that one in time: it is
+        # none of those our state file names, whom we wait for (rejoined False: not counted).
+        return (max(resume[1], restarted[1]), 0), resume[0] == replaced[0]
     return None, False
 
 
