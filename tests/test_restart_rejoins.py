@@ -872,12 +872,7 @@ def test_a_late_joiner_restarted_in_its_partial_first_epoch_is_told_what_it_had(
         assert lives[1].wait(timeout=120) == 0, log.read_text()[-3000:]
     finally:
         first[1].set()
-        for life in lives:
-            if life.poll() is None:
-                life.kill()
-                life.wait()
-        for p in trainers.values():
-            p.join(timeout=30)
+        end_all(lives, trainers.values())
     assert "starting that epoch again" in log.read_text()
     for r in results.values():
         assert "error" not in r and r["missed"] is None, r
