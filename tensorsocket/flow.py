@@ -59,6 +59,7 @@ import collections
 from collections.abc import Hashable, Iterable
 from typing import Any
 
+from .flow_group_start import GroupStarts
 from .flow_groups import (
     UNSAID,
     Forming,
@@ -82,13 +83,14 @@ from .flow_types import (
     EntryKind,
     LateJoin,
     Place,
+    Placed,
     PlaceState,
     Skipped,
 )
 
 __all__ = [  # the values it works with, in flow_types; group rules, in flow_groups
     "Action", "ConsumerState", "Deliver", "Entry", "EntryKind", "Flow", "GroupBroken", "LateJoin",
-    "Membership", "PlaceState", "Said", "Skipped", "Tail", "UNSAID",
+    "Membership", "PlaceState", "Placed", "Said", "Skipped", "Tail", "UNSAID",
 ]  # fmt: skip
 
 
@@ -107,7 +109,7 @@ def _checked_places(window: Any, places: Any, max_lag: Any) -> int:
     return places
 
 
-class Flow(Replaying):
+class Flow(Replaying, GroupStarts):
     """Places, consumers and the stream log. See the module docstring for the rules."""
 
     def __init__(self, window: int, places: int | None = None, max_lag: int | None = None) -> None:
@@ -184,6 +186,7 @@ class Flow(Replaying):
         at: tuple[int, int] | None = None,
         ready: bool = True,
         rejoined: bool = False,
+        had: int | None = None,
     ) -> list[Action]:
         """Add a consumer; ``prefetch`` is capped at the window. A ``member`` of a group
         starts with the group, once all its ranks joined and are ``ready`` (else they say so
@@ -191,34 +194,40 @@ class Flow(Replaying):
         rank taken, another size, tail or policy). ``at`` (epoch, index): a restored
         consumer's position, where it starts if that batch is still resident or not yet
         published (else its policy applies); ``rejoined``: ``at`` is the batch after the last
-        one it received from a producer that died (see :meth:`ready`)."""
+        one it received from a producer that died (see :meth:`ready`); ``had``: a member
+        rejoining from a stream whose epoch this one starts again, the rounds of that epoch
+        it had received there (see :func:`~tensorsocket.flow_groups.level_restarted`)."""
         if cid in self.consumers:
             raise ValueError(f"consumer {cid!r} already joined")
         if type(prefetch) is not int or prefetch < 1:
             raise ValueError(f"prefetch must be a positive int, got {prefetch!r}")
         policy = LateJoin(policy)
         if member is not None:
-            return self._join_group(cid, min(prefetch, self.window), policy, member, at, ready, rejoined)
+            state = ConsumerState(min(prefetch, self.window), None, policy, rejoined=rejoined, had=had)
+            return self._join_group(cid, state, member, at, ready)
         state = self.consumers[cid] = ConsumerState(
             min(prefetch, self.window), None, policy, rejoined=rejoined
         )
         self._place(state, policy, at)
         return self._begin([cid])
 
-    def _place(self, state: ConsumerState, policy: LateJoin, at: tuple[int, int] | None) -> None:
+    def _place(self, state: ConsumerState, policy: LateJoin, at: tuple[int, int] | None) -> bool:
         """Set a starting consumer's cursor: at its position ``at`` if it can be sent from
-        there, else where its policy says."""
+        there (True), else where its policy says."""
         state.cursor = self._start(policy)
         if at is None or self.ended:
-            return
+            return False
         epoch, index = at
         if epoch == self.epoch + 1:  # it finished this epoch, or resumes past its start
             state.cursor, state.resume_index = None, index
-        elif epoch in self._epoch_starts:
+            return True
+        if epoch in self._epoch_starts:
             total = self._epoch_batches.get(epoch)  # an ended epoch: past its end is at its end
             seq = self._epoch_starts[epoch] + (index if total is None else min(index, total))
             if seq >= self._oldest_replayable():
                 state.cursor = seq  # resident from there on, or (this epoch) not yet published
+                return True
+        return False
 
     def _start(self, policy: LateJoin) -> int | None:
         """Where a consumer joining now starts (None: at the next epoch boundary)."""
@@ -243,21 +252,16 @@ class Flow(Replaying):
         return out + self._settle()
 
     def _join_group(
-        self,
-        cid: Hashable,
-        prefetch: int,
-        policy: LateJoin,
-        member: Membership,
-        at: tuple[int, int] | None,
-        ready: bool,
-        rejoined: bool,
+        self, cid: Hashable, state: ConsumerState, member: Membership, at: tuple[int, int] | None, ready: bool
     ) -> list[Action]:
-        group = self._forming.add(cid, member, policy.value, self.window, self.max_lag is None, rejoined)
-        end = self.next_seq - 1 if self.ended else None  # the stream ended: it gets END, nothing to wait for
-        self.consumers[cid] = ConsumerState(
-            prefetch, end, policy, group=group, rank=member.rank, at=at, ready=ready, rejoined=rejoined
+        group = self._forming.add(
+            cid, member, state.policy.value, self.window, self.max_lag is None, state.rejoined
         )
-        return self._deliver(cid, self.consumers[cid]) + self._start_group(group)
+        # (the stream ended: it gets END, nothing to wait for)
+        state.cursor = self.next_seq - 1 if self.ended else None
+        state.group, state.rank, state.at, state.ready = group, member.rank, at, ready
+        self.consumers[cid] = state
+        return self._deliver(cid, state) + self._start_group(group)
 
     def ready(self, cid: Hashable, at: tuple[int, int] | None = None, rejoined: bool = False) -> list[Action]:
         """A group member is ready to be sent batches (its trainer began iterating), from
@@ -269,35 +273,6 @@ class Flow(Replaying):
             return []
         state.ready, state.at, state.rejoined = True, at, rejoined
         return self._start_group(state.group)
-
-    def _start_group(self, group: Group) -> list[Action]:
-        """Start a forming group once all its ranks joined and are ready (after END each
-        member is sent END on its own): from where their positions all agree (a round's
-        start), else where its policy says. Ranks rejoining a restarted producer may disagree
-        by what was in flight when it died: they start at the earliest, and each drops what
-        it already received."""
-        if self.ended or not group.starts_when(lambda cid: self.consumers[cid].ready):
-            return []
-        states = [self.consumers[m] for m in group.members.values()]
-        self._forming.start(group)
-        self.add_places(self._forming.more_places(self.groups()))
-        positions = {s.at for s in states}
-        rejoined = all(s.rejoined for s in states)
-        at = positions.pop() if len(positions) == 1 else None
-        if at is None and None not in positions and rejoined:
-            at = min(positions)  # type: ignore[type-var]
-        if at is not None:
-            index = at[1] - at[1] % group.size
-            if rejoined and at[0] in self._epoch_starts:  # a successor may restart inside a round:
-                first = self._oldest_replayable() - self._epoch_starts[at[0]]  # start there if no
-                needs = min(m.at[1] + m.rank for m in states if m.at[0] == at[0])  # rank lacks a batch before
-                index = max(index, first) if first <= needs else index
-            at = (at[0], index)
-        lead = states[0]
-        self._place(lead, lead.policy, at)
-        for s in states[1:]:
-            s.cursor, s.resume_index = lead.cursor, lead.resume_index
-        return self._begin([group.members[r] for r in range(group.size)])
 
     def leave(self, cid: Hashable, said: Said = UNSAID) -> list[Action]:
         """A consumer left or was evicted: drop it and all it held. Idempotent. A member breaks its

@@ -177,6 +177,36 @@ def share(rank: int, size: int, tail: Tail, index: int, total: int | None, publi
     return rank % in_round == index - start  # the short round again, from its start
 
 
+def rejoin_at(at: tuple[int, int], rank: int, size: int, skip: int, first: int | None) -> tuple[int, int]:
+    """Where a rank rejoining a restarted producer goes on: the round after the last it
+    received (``at``'s), ``skip`` rounds later; or at ``first`` (the successor's first batch of
+    that epoch, None if it has none) if that is inside a round it lacks no batch before (rank
+    0 received batch 4 of a round 4-5 that rank 1 did not: the successor starts at 5)."""
+    epoch, index = at
+    index = index - index % size + skip * size
+    if first is not None and first <= index + rank:
+        index = max(index, first)
+    return epoch, index
+
+
+def level_restarted(ranks: list[tuple[int, int]]) -> list[int]:
+    """How many of its first rounds of the new order each rank of a group skips when it rejoins a
+    producer that starts an epoch again in a new order (its loader cannot repeat the old one):
+    ``ranks`` gives each rank's epoch there and how many rounds of it the rank had received
+    from the old order. Each then ends every epoch after as many batches as the others (DDP's
+    all-reduces line up) and, at equal steps, is at the same round (its checkpoints agree).
+
+    All in one epoch: the least a rank had comes again whole (every rank gets the whole new
+    order's share after it), a rank that had more skips that many more (what it had already
+    stands for them). Ranks in different epochs (a rank had an epoch's end when another had
+    not: the old order's epoch was as long as any other): each skips what it had of its epoch,
+    so it ends each epoch after its share, as the ranks that finished one did."""
+    if len({epoch for epoch, _ in ranks}) > 1:
+        return [had for _, had in ranks]
+    least = min(had for _, had in ranks)
+    return [had - least for _, had in ranks]
+
+
 class Forming:
     """Groups waiting for some of their ranks, by name, and the places added for groups."""
 

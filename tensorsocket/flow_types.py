@@ -55,7 +55,20 @@ class Skipped:
     count: int
 
 
-Action = Deliver | Skipped | GroupBroken
+@dataclass(frozen=True)
+class Placed:
+    """Action: tell ``consumer``, a rank of a group rejoining a producer that starts its epoch
+    again, that it goes on at batch ``index`` of ``epoch`` (a round's start) of the new order:
+    it skips its first ``skipped`` batches there, as it had received that many more of the old
+    order than another rank (see :func:`tensorsocket.flow_groups.level_restarted`)."""
+
+    consumer: Hashable
+    epoch: int
+    index: int
+    skipped: int
+
+
+Action = Deliver | Skipped | GroupBroken | Placed
 
 
 class PlaceState(IntEnum):
@@ -102,6 +115,7 @@ class ConsumerState:
     broken: bool = False  # its group broke: sent nothing more, no cursor
     at: tuple[int, int] | None = None  # the position a restored group member asked for
     rejoined: bool = False  # ``at`` is where it rejoins a restarted producer (what it received)
+    had: int | None = None  # a group member from a stream whose epoch is started again: its rounds of it
     ready: bool = True  # a group member: its trainer began iterating (its group may start)
     resume_index: int = 0  # waiting for the next epoch: start at this batch of it
     wants: int | None = None  # the kept batch, in no place now, it waits for (see restage())

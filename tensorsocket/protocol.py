@@ -21,7 +21,7 @@ import msgpack
 from .errors import ProtocolError
 from .options import STRAGGLERS
 
-VERSION = 14  # 14: a WELCOME's restarted names earlier replaced streams too
+VERSION = 15  # 15: PLACED (a group rank rejoining an epoch started again skips what it had more)
 #: Largest frame a consumer may send; the producer also sets ZMQ_MAXMSGSIZE to this.
 MAX_REQUEST_BYTES = 64 * 1024
 #: Largest frame a producer may send (a BATCH whose layout has very many leaves).
@@ -53,10 +53,11 @@ class Kind(str, Enum):
     """Message kinds. Consumer to producer: HELLO, READY, RELEASE, HEARTBEAT, STATS, BYE,
     MODIFIED, STATUS (READY: a group member began iterating, from a restored position or not).
     Producer to consumer: WELCOME, ARENA, LAYOUT, BATCH, SKIPPED, EPOCH_END, END, HEARTBEAT,
-    EVICTED, ERROR, STATUS, GROUP_BROKEN. LAYOUT numbers a layout that BATCH messages then name
+    EVICTED, ERROR, STATUS, GROUP_BROKEN, PLACED. LAYOUT numbers a layout that BATCH messages then name
     by number (tensorsocket.layout_table); END carries a reason when the producer stopped on an
     error; SKIPPED says how many batches a straggler was moved past, where the gap is;
-    GROUP_BROKEN that another member of this consumer's group left (nothing more comes); BYE
+    GROUP_BROKEN that another member of this consumer's group left (nothing more comes); PLACED
+    where a group rank rejoining a producer that starts its epoch again goes on in it; BYE
     says whether the consumer left at an epoch's end (its group's others may finish that epoch).
     SESSION (consumer, on its session connection), SWITCHED and LARGE (producer) move a
     consumer's messages to a connection of its own (tensorsocket.session)."""
@@ -78,6 +79,7 @@ class Kind(str, Enum):
     EVICTED = "evicted"
     ERROR = "error"
     GROUP_BROKEN = "group_broken"
+    PLACED = "placed"
     READY = "ready"
     SESSION = "session"
     SWITCHED = "switched"
@@ -241,6 +243,7 @@ SCHEMA: dict[Kind, dict[str, Callable[[Any], bool]]] = {
     Kind.EVICTED: {"reason": _str(4096)},
     Kind.ERROR: {"reason": _str(4096)},
     Kind.GROUP_BROKEN: {"reason": _str(4096), "until": _opt(_int())},  # None: mid-epoch
+    Kind.PLACED: {"epoch": _int(), "index": _int(), "skipped": _int(1)},
     Kind.READY: {"resume": _opt(_resume)},
     Kind.SESSION: {"token": _str(64)},
     Kind.SWITCHED: {},

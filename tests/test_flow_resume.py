@@ -198,16 +198,16 @@ def test_the_restart_point_is_the_oldest_entry_someone_may_not_have_received():
 @pytest.mark.parametrize(
     "restart, rank0, rank1, sent0, sent1",
     [
-        # rank 0 received round 2-3's batch, rank 1's was in flight: both rejoin at round 2
-        # (rank 0 drops what it already has)
-        (2, (0, 4), (0, 2), [(0, 2), (0, 4)], [(0, 3), (0, 5)]),
+        # rank 0 received round 2-3's batch, rank 1's was in flight: rank 1 rejoins at round 2,
+        # rank 0 at round 4 (before: at round 2 too, and its consumer dropped the batch it had)
+        (2, (0, 4), (0, 2), [(0, 4)], [(0, 3), (0, 5)]),
         # rank 0 received and released batch 4, rank 1's batch 5 was in flight: the restart
         # point is inside the round 4-5, and the group starts there, not at the next epoch
         (5, (0, 6), (0, 4), [(0, 6)], [(0, 5), (0, 7)]),  # (round 8-9 is not complete yet)
     ],
     ids=["at-a-round-start", "inside-a-round"],
 )
-def test_a_groups_ranks_rejoining_after_a_crash_start_at_the_earliest_of_their_positions(
+def test_a_groups_ranks_rejoining_after_a_crash_each_go_on_after_the_last_round_it_received(
     restart, rank0, rank1, sent0, sent1
 ):
     flow = Flow(window=4, places=8)

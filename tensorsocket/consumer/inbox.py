@@ -180,6 +180,8 @@ class Inbox:
             shared.cut_until = -1 if msg["until"] is None else msg["until"]
             shared.cut_off = broken
             shared.queue.put((ERROR, broken))
+        elif kind is Kind.PLACED and self.settings.group is not None:
+            self._placed(msg["epoch"], msg["index"], msg["skipped"])
         elif kind is Kind.ERROR:
             log.error("the producer at %s reports: %s", self.endpoint, msg["reason"])
         elif kind is Kind.STATUS:
@@ -253,6 +255,19 @@ class Inbox:
                 "rejoined at batch %d of epoch %d, which the producer no longer had: %d batches missed",
                 index, epoch, lost,
             )  # fmt: skip
+
+    def _placed(self, epoch: int, index: int, skipped: int) -> None:
+        """Our group rejoined a producer that starts our epoch again in a new order, and we had
+        more of the old one than another rank: we go on at batch ``index`` of it (a rejoin after
+        another crash too), and the ``skipped`` batches before it that we are not sent count in
+        ``missed``, so ``repeated`` less ``missed`` is the same for every rank."""
+        self.next_at = (epoch, index)
+        self.shared.missed += skipped
+        log.warning(
+            "rank %d of group %r had more of epoch %d's old order than another rank: it skips its first %d "
+            "batch(es) of the new order (counted in missed), so every rank ends the epoch after as many batches",
+            self.settings.group[1], self.settings.group[0], epoch, skipped,  # type: ignore[index]
+        )  # fmt: skip
 
     def send_releases(self) -> bool:
         """Release every retired batch (checking it was not changed while held); True if any."""

@@ -256,9 +256,12 @@ class IoLoop:
             # A group member starts with its group once every rank is READY (began iterating:
             # after any load_state_dict, whatever order the trainers start in).
             at, rejoined = successor.position(config, msg["resume"])
+            had = successor.had(config, msg["resume"], None if member is None else member.size)
             policy = LateJoin(msg["late_join"])
             check_group_fits(shared, member, policy)
-            actions = shared.flow.join(cid, msg["prefetch"], policy, member, at, member is None, rejoined)
+            actions = shared.flow.join(
+                cid, msg["prefetch"], policy, member, at, member is None, rejoined, had
+            )
         except ValueError as exc:  # a group member that conflicts with the others
             log.warning("refused %s: %s", peer.describe(), exc)
             shared.post(cid, protocol.encode(Kind.ERROR, reason=str(exc)))

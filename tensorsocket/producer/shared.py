@@ -38,6 +38,7 @@ is read and written under ``changed`` (a Condition over one lock), except where 
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import threading
 import time
@@ -46,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import gpu_memory, protocol
-from ..flow import Action, Deliver, Flow, GroupBroken, Skipped
+from ..flow import Action, Deliver, Flow, GroupBroken, Placed, Skipped
 from ..flow_groups import NotRejoined
 from ..layout import Plan
 from ..layout_table import LayoutTable
@@ -55,6 +56,8 @@ from ..status import ConsumerStatus, GroupStatus, ProducerStatus, Report, rates
 from ..transport import Store
 from ..wakeup import Wakeup
 from .restart import Tracker, rejoinable
+
+log = logging.getLogger("tensorsocket")
 
 TICK = 0.05  # seconds between liveness checks, and the longest any wait goes unchecked
 TICK_MS = int(TICK * 1000)
@@ -206,9 +209,28 @@ class Shared:
                 self.post(action.consumer, action.entry.payload, now)
             elif isinstance(action, Skipped):
                 self.post(action.consumer, protocol.encode(Kind.SKIPPED, count=action.count), now)
+            elif isinstance(action, Placed):
+                self._placed(action, now)
             else:
                 assert isinstance(action, GroupBroken)
                 self.post(action.consumer, self._group_broken(action), now)
+
+    def _placed(self, action: Placed, now: float) -> None:
+        """Tell a group rank where it goes on in an epoch started again, and log why."""
+        state = self.flow.consumers[action.consumer]
+        peer, group = self.peers.get(action.consumer), state.group
+        log.warning(
+            "%s, rank %d of group %r, goes on at batch %d of epoch %d, which starts again in a new order: "
+            "it skips its first %d batch(es) of that order, for as many of the old it had beyond what the "
+            "others get again, so every rank of the group ends the epoch after as many batches",
+            action.consumer if peer is None else peer.describe(), state.rank, group and group.name,
+            action.index, action.epoch, action.skipped,
+        )  # fmt: skip
+        self.post(
+            action.consumer,
+            protocol.encode(Kind.PLACED, epoch=action.epoch, index=action.index, skipped=action.skipped),
+            now,
+        )
 
     def _count_first_sends(self, actions: list[Action]) -> None:
         """Before a consumer's first entry goes out, whatever sends it (a publish, a release

@@ -186,6 +186,18 @@ def position(config: Config, resume: list[Any] | None) -> tuple[tuple[int, int] 
     return None, False
 
 
+def had(config: Config, resume: list[Any] | None, size: int | None) -> int | None:
+    """For a rank of a group of ``size`` rejoining from the stream whose epoch we start again:
+    how many rounds of the epoch :func:`position` places it at it had received there (the
+    flow levels the ranks' shares with it: a rank that had more skips more); None for
+    anyone else."""
+    if size is None or resume is None or not resume[3] or config.restarted is None:
+        return None
+    if resume[0] != protocol.replaced_streams(config.restarted)[0]:
+        return None
+    return resume[2] // size if resume[1] >= config.restarted[1] else 0
+
+
 def give_up_groups(shared: Shared, rejoiners: int) -> None:
     """The successor's first batch, once it waited for its predecessor's consumers (``rejoiners``,
     0 for any other producer): a group still waiting for a rank that did not rejoin is told it
