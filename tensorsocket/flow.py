@@ -214,7 +214,7 @@ class Flow(Replaying, GroupStarts):
     def _place(self, state: ConsumerState, policy: LateJoin, at: tuple[int, int] | None) -> bool:
         """Set a starting consumer's cursor: at its position ``at`` if it can be sent from
         there (True), else where its policy says."""
-        state.cursor = self._start(policy)
+        state.cursor, state.resume_index = self._start(policy), 0
         if at is None or self.ended:
             return False
         epoch, index = at

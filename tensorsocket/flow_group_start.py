@@ -34,7 +34,7 @@ class GroupStarts:
         self.add_places(self._forming.more_places(self.groups()))
         positions = {s.at for s in states}
         rejoined = all(s.rejoined for s in states)
-        placed = self._rejoin_group(states) if rejoined and None not in positions else None
+        placed = self._rejoin_group(states) if any(s.rejoined for s in states) else None
         if placed is None:  # from where all agree; rejoining, the earliest (each drops what it had)
             at = positions.pop() if len(positions) == 1 else None
             if at is not None:
@@ -54,13 +54,21 @@ class GroupStarts:
         """Place each rank of a group rejoining a restarted producer where it rejoins
         (:func:`rejoin_at`), in a new order after what it had if the successor starts its epoch
         again (:func:`level_restarted`: a :class:`Placed` tells a rank that skips); None if one
-        cannot be sent from there (the group then starts at the earliest)."""
+        cannot be sent from there (the group then starts at the earliest). A rank that had
+        received nothing (its group's first round was in flight when the producer died) goes on
+        at the others' earliest epoch's start, having had none of it."""
+        back = [s for s in states if s.rejoined]
+        if any(s.at is None for s in back) or any(s.at is not None for s in states if not s.rejoined):
+            return None  # (restored ranks, or a rejoined one without a position: by the policy)
+        start = min(s.at[0] for s in back)  # type: ignore[index]
+        ats = [s.at if s.rejoined else (start, 0) for s in states]
         size, skips = len(states), [0] * len(states)
-        if all(s.had is not None for s in states):
-            skips = level_restarted([(s.at[0], s.had) for s in states])  # type: ignore[index, misc]
+        if all(s.had is not None for s in back):
+            had = [s.had if s.rejoined else 0 for s in states]
+            skips = level_restarted([(at[0], h) for at, h in zip(ats, had, strict=True)])  # type: ignore[index, misc]
         out: list[Action] = []
-        for s, skip in zip(states, skips, strict=True):
-            at = rejoin_at(s.at, s.rank, size, skip, self._first_in(s.at[0]))  # type: ignore[arg-type, index]
+        for s, at, skip in zip(states, ats, skips, strict=True):
+            at = rejoin_at(at, s.rank, size, skip, self._first_in(at[0]))  # type: ignore[arg-type, index]
             if not self._place(s, s.policy, at):
                 return None
             if skip:

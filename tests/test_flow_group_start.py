@@ -4,11 +4,17 @@ levelled so every rank ends each epoch after as many batches (:func:`level_resta
 
 from __future__ import annotations
 
-import pytest
+from typing import Any
 
-from tensorsocket.flow import Flow, Membership, Placed
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tensorsocket.flow import Flow, Membership, Placed, Tail
 from tensorsocket.flow_groups import level_restarted, rejoin_at
 from tensorsocket.flow_invariants import check_invariants
+from tensorsocket.producer import successor
+from tensorsocket.producer.shared import Config
 from tests.test_flow_resume import run, sent
 
 
@@ -91,3 +97,94 @@ def test_ranks_of_the_same_stream_each_go_on_after_what_they_received():
     assert not any(isinstance(a, Placed) for a in out)
     run(flow, 4, out, release=("r0", "r1"))
     assert sent(out, "r0") == [(0, 2)] and sent(out, "r1") == [(0, 1), (0, 3)]
+
+
+def test_a_rank_that_had_received_nothing_counts_as_having_had_none_of_the_epoch():
+    """Rank 1's first batch was in flight when the producer died: it rejoins with no position
+    (nothing received, nothing restored). Before: the group fell back to its policy, both
+    started the new order at its start, and rank 0 had 4 batches more. Now rank 1 counts as at
+    the epoch's start with none of it, and rank 0 skips its 4."""
+    flow = Flow(window=4, places=8)
+    flow.start_at(0, 0, 0)
+    out: list = []
+    out += flow.join("r0", 4, member=Membership("job", 0, 2), ready=False, rejoined=True, had=4)
+    out += flow.join("r1", 4, member=Membership("job", 1, 2), ready=False)
+    out += flow.ready("r0", (0, 0), rejoined=True)
+    out += flow.ready("r1")
+    assert [a for a in out if isinstance(a, Placed)] == [Placed("r0", 0, 8, 4)]
+    run(flow, 24, out, release=("r0", "r1"))
+    assert len(sent(out, "r0")) + 4 == len(sent(out, "r1")) == 12
+
+
+def test_a_group_placed_by_its_policy_after_a_rank_could_not_be_placed_keeps_no_rank_s_offset():
+    """A successor of the same stream that moved on before the group rejoined: rank 0 could be
+    placed (epoch 1, after its round 0: waiting for that epoch), rank 1 not (its batch is gone),
+    so the policy places the group at epoch 1's start. Found in review: rank 0's offset in epoch
+    1 stayed, and both skipped epoch 1's first round."""
+    flow = Flow(window=4, places=8)
+    flow.start_at(0, 0, 0)
+    out: list = []
+    flow.join("other", 4)
+    run(flow, 14, out, release=("other",))
+    for r in range(2):
+        out += flow.join(f"r{r}", 4, member=Membership("job", r, 2), ready=False, rejoined=True)
+    out += flow.ready("r0", (1, 2), rejoined=True)
+    out += flow.ready("r1", (0, 2), rejoined=True)
+    run(flow, 2, out, release=("other", "r0", "r1"))
+    out += flow.end_epoch(None)
+    run(flow, 4, out, release=("other", "r0", "r1"))
+    check_invariants(flow)
+    assert sent(out, "r0") == [(1, 0), (1, 2)] and sent(out, "r1") == [(1, 1), (1, 3)]
+
+
+def test_a_successor_learns_the_rounds_a_rank_had_of_the_epoch_it_starts_again():
+    config = _config(stream="B", restarted=["A", 1])
+    assert successor.had(config, ["A", 1, 10, True], 2) == 5
+    assert successor.had(config, ["A", 1, 10, False], 2) == 5  # restored, nothing received since
+    assert successor.had(config, ["A", 2, 4, True], 2) == 2  # its own epoch, a later one
+    assert successor.had(config, ["A", 0, 22, True], 2) == 0  # (before the restarted epoch)
+    assert successor.had(config, ["B", 1, 10, True], 2) is None  # the same stream: nothing started again
+    assert successor.had(config, ["A", 1, 10, True], None) is None  # not a group member
+    assert successor.had(config, None, 2) is None
+    assert successor.had(_config(stream="A"), ["A", 1, 10, True], 2) is None
+
+
+def _config(**fields: Any) -> Config:
+    return Config("ipc:///nowhere", 4, 0, "stall", None, 24, 96, **fields)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), size=st.integers(2, 3), tail=st.sampled_from(list(Tail)), window=st.integers(3, 6))
+def test_a_restarted_group_ends_every_epoch_level_whatever_its_ranks_had(data, size, tail, window):
+    """Any mix of ranks in epoch 0 and epoch 1 (one that had epoch 0's end), each having had
+    any part of its epoch, rejoin a successor that starts epoch 0 again: counting what each
+    had, every rank ends epochs 0 and 1 after as many batches, at least its share, and is
+    sent no batch twice."""
+    if window < size:
+        return
+    n = data.draw(st.integers(size, 4 * size), label="batches an epoch")
+    share = -(-n // size) if tail is Tail.PAD else n // size
+    ranks = [
+        (epoch, data.draw(st.integers(0, share - epoch), label=f"rank {r} had"))
+        for r, epoch in enumerate(data.draw(st.lists(st.integers(0, 1), min_size=size, max_size=size)))
+    ]
+    flow = Flow(window=window, places=2 * window)
+    flow.start_at(0, 0, 0)
+    out: list = []
+    cids = [f"r{r}" for r in range(size)]
+    for r, (_, had) in enumerate(ranks):
+        member = Membership("job", r, size, tail)
+        out += flow.join(cids[r], 4, member=member, ready=False, rejoined=True, had=had)
+    for r, (epoch, _) in enumerate(ranks):
+        out += flow.ready(cids[r], (epoch, 0), rejoined=True)
+    for _ in range(2):
+        run(flow, n, out, release=tuple(cids))
+        out += flow.end_epoch(None)
+    check_invariants(flow)
+    totals = []
+    for cid, (epoch, had) in zip(cids, ranks, strict=True):
+        got = [x for x in sent(out, cid) if x[0] != "end"]
+        assert len(got) == len(set(got))
+        old = [share, had] if epoch == 1 else [had, 0]
+        totals.append(tuple(old[e] + sum(1 for x in got if x[0] == e) for e in (0, 1)))
+    assert len(set(totals)) == 1 and min(totals[0]) >= share, (ranks, totals)

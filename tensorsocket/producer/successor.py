@@ -191,8 +191,8 @@ def had(config: Config, resume: list[Any] | None, size: int | None) -> int | Non
     how many rounds of the epoch :func:`position` places it at it had received there (the
     flow levels the ranks' shares with it: a rank that had more skips more); None for
     anyone else."""
-    if size is None or resume is None or not resume[3] or config.restarted is None:
-        return None
+    if size is None or resume is None or config.restarted is None:
+        return None  # (a restored rank that received nothing since: what its checkpoint had)
     if resume[0] != protocol.replaced_streams(config.restarted)[0]:
         return None
     return resume[2] // size if resume[1] >= config.restarted[1] else 0
