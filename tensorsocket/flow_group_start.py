@@ -54,17 +54,18 @@ class GroupStarts:
         """Place each rank of a group rejoining a restarted producer where it rejoins
         (:func:`rejoin_at`), in a new order after what it had if the successor starts its epoch
         again (:func:`level_restarted`: a :class:`Placed` tells a rank that skips); None if one
-        cannot be sent from there (the group then starts at the earliest). A rank that had
-        received nothing (its group's first round was in flight when the producer died) goes on
-        at the others' earliest epoch's start, having had none of it."""
+        cannot be sent from there (the group then starts at the earliest). A rank restored that
+        received nothing since goes on at its restored position too; one that had received
+        nothing at all (its group's first round was in flight when the producer died), at the
+        others' earliest epoch's start, having had none of it."""
         back = [s for s in states if s.rejoined]
-        if any(s.at is None for s in back) or any(s.at is not None for s in states if not s.rejoined):
-            return None  # (restored ranks, or a rejoined one without a position: by the policy)
+        if any(s.at is None for s in back):
+            return None
         start = min(s.at[0] for s in back)  # type: ignore[index]
-        ats = [s.at if s.rejoined else (start, 0) for s in states]
+        ats = [(start, 0) if s.at is None else s.at for s in states]
         size, skips = len(states), [0] * len(states)
         if all(s.had is not None for s in back):
-            had = [s.had if s.rejoined else 0 for s in states]
+            had = [0 if s.at is None else s.had or 0 for s in states]
             skips = level_restarted([(at[0], h) for at, h in zip(ats, had, strict=True)])  # type: ignore[index, misc]
         out: list[Action] = []
         for s, at, skip in zip(states, ats, skips, strict=True):

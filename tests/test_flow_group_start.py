@@ -188,3 +188,19 @@ def test_a_restarted_group_ends_every_epoch_level_whatever_its_ranks_had(data, s
         old = [share, had] if epoch == 1 else [had, 0]
         totals.append(tuple(old[e] + sum(1 for x in got if x[0] == e) for e in (0, 1)))
     assert len(set(totals)) == 1 and min(totals[0]) >= share, (ranks, totals)
+
+
+def test_a_rank_restored_that_received_nothing_since_goes_on_at_its_restored_position():
+    """A group restored at batch 10; rank 0 received round 10-11's batch, rank 1's was in
+    flight when the producer died, and the successor continues the stream from batch 11. Found
+    in review: rank 1's READY names its restore (not a rejoin), so the group fell back to its
+    policy and both went on at epoch 1, 6 rounds of epoch 0 lost. Now each goes on where it is."""
+    flow = Flow(window=4, places=8)
+    flow.start_at(0, 0, 11)
+    out: list = []
+    for r in range(2):
+        out += flow.join(f"r{r}", 4, member=Membership("job", r, 2), ready=False)
+    out += flow.ready("r0", (0, 12), rejoined=True)
+    out += flow.ready("r1", (0, 10))
+    run(flow, 5, out, release=("r0", "r1"))
+    assert sent(out, "r0") == [(0, 12), (0, 14)] and sent(out, "r1") == [(0, 11), (0, 13), (0, 15)]
