@@ -215,3 +215,18 @@ def test_an_epochs_span_is_its_batches_or_a_groups_last_round_end():
     assert [resume.epoch_span(10, g) for g in (None, ("g", 0, 4, "drop"), ("g", 0, 4, "pad"))] == [10, 8, 12]
     assert resume.epoch_span(12, ("g", 0, 4, "drop")) == resume.epoch_span(12, ("g", 0, 4, "pad")) == 12
     assert resume.epoch_span(None, ("g", 0, 4, "pad")) is None
+
+
+def test_a_consumer_that_rejoins_from_a_batch_it_never_mapped_counts_what_it_had_before_it():
+    """A chaos helper's case (a rank SIGSTOPped across a kill): batch 22 of epoch 0 was unlinked
+    by the successor before the consumer mapped it, and it read on into epoch 1's batches (each
+    released, none yielded). It rejoins from batch 22, so what it had of epoch 0 is what the
+    next rejoin counts as come again. Before: the later batches had moved its epoch's start
+    to epoch 1, and it said 0 batches of epoch 0 came again where it had 22."""
+    inbox = _inbox_rejoined_at((0, 0), 24)
+    inbox.rejoined_at, inbox.began, inbox.last_seq, inbox.next_at = None, (0, 0), 21, (0, 22)
+    assert inbox._unmapped(22, 0, 22, FileNotFoundError(2, "No such file", "/dev/shm/gone"))
+    assert inbox._new(Kind.EPOCH_END, 24, 0, 0) and inbox._new(Kind.BATCH, 25, 1, 0)
+    assert inbox.began == (1, 0)
+    inbox.rejoin_from_freed()
+    assert (inbox.last_seq, inbox.next_at, inbox.began, inbox.freed) == (21, (0, 22), (0, 0), None)

@@ -244,14 +244,17 @@ class Consumer:
 
     @property
     def repeated(self) -> int | None:
-        """Batches this consumer got twice because a restarted producer, whose loader could
-        not repeat its order, published their epoch again from its start (None: none)."""
+        """Batches of an epoch this consumer had when a restarted producer, whose loader could
+        not repeat its order, published that epoch again from its start, in a new order (None:
+        none). Their epoch's batches come again after them; a group rank's place in them
+        (after a rank that had more skipped some, counted in ``missed``) counts too."""
         return self._batches.repeated
 
     @property
     def missed(self) -> int | None:
         """Producer batches a restored or rejoining consumer lost because the producer no
-        longer had them (None: nothing missed, or not known)."""
+        longer had them, or that a group rank skipped to end an epoch started again level with
+        its group's other ranks (None: nothing missed, or not known)."""
         restored, rejoins = self._batches.missed, self._shared.missed
         return (restored or 0) + rejoins if restored or rejoins else restored
 

@@ -57,7 +57,8 @@ class Inbox:
         self.last_seen = time.monotonic()  # the last message from the producer, read by either thread
         self.over = False  # the caller's thread read the end of this consumer's stream (EVICTED, say)
         self.freed: str | None = None  # a batch lost: its arena was gone before we mapped it (why)
-        self.before_freed: tuple[int, tuple[int, int]] | None = None  # (last_seq, next_at) before it
+        # (last_seq, next_at, began) before it: a frozen consumer may read on past it
+        self.before_freed: tuple[int, tuple[int, int], tuple[int, int]] | None = None
 
     def caller_may_read(self) -> bool:
         """Whether the caller's thread may read the link now: a session (no ZeroMQ socket to
@@ -198,13 +199,25 @@ class Inbox:
         (no batch, no epoch end), and let what follows say which: EVICTED raises Evicted, END
         ProducerLost. Or the producer died and a successor unlinked what it left: the batch was
         not received, and a rejoin goes on from it (``before_freed``)."""
-        self.before_freed = (seq - 1, (epoch, index // self.size * self.size))
+        self.before_freed = (seq - 1, (epoch, index // self.size * self.size), self.began)
         self.freed = (
             f"batch {index} of epoch {epoch} was freed before this consumer read it "
             f"({exc.strerror}: {exc.filename})"
         )
         self._send(protocol.encode_release([seq]))
         return True
+
+    def rejoin_from_freed(self) -> None:
+        """A batch was lost because a successor unlinked it (:meth:`_unmapped`): we never had it,
+        nor what came after it, so we rejoin from it, as if we had read nothing since (what
+        the rejoin counts as had of the epoch too: found by chaos trials, a rank frozen with
+        the next epoch's batches queued counted none of its epoch as had)."""
+        assert self.before_freed is not None
+        (self.last_seq, self.next_at, self.began), self.freed, self.before_freed = (
+            self.before_freed,
+            None,
+            None,
+        )
 
     def _new(self, kind: Kind, seq: int, epoch: int, index: int) -> bool:
         """Note where the stream is for a rejoin; False for an entry received before it (a

@@ -266,7 +266,7 @@ class ConsumerIo(Inbox):
             # Unlinked by a successor (an eviction would have come first, and was read): we
             # never had that batch, nor any after it, so we rejoin from it. (A frozen consumer
             # had the BATCH queued for a place it had not mapped yet when the producer died.)
-            (self.last_seq, self.next_at), self.freed, self.before_freed = self.before_freed, None, None
+            self.rejoin_from_freed()
         elif self.freed is not None:  # a batch is lost already: a rejoin could not be exact
             why, wait = f"{why}; {self.freed}", 0
         if not wait:
