@@ -246,8 +246,9 @@ class Consumer:
     def repeated(self) -> int | None:
         """Batches of an epoch this consumer had when a restarted producer, whose loader could
         not repeat its order, published that epoch again from its start, in a new order (None:
-        none). Their epoch's batches come again after them; a group rank's place in them
-        (after a rank that had more skipped some, counted in ``missed``) counts too."""
+        none); that epoch's batches come again after them. A group rank that skipped batches of
+        an epoch to end it level with its group (counted in ``missed``) counts them here too if
+        that epoch starts again once more: ``repeated`` less ``missed`` stays what it had."""
         return self._batches.repeated
 
     @property
