@@ -244,18 +244,15 @@ class Consumer:
 
     @property
     def repeated(self) -> int | None:
-        """Batches of an epoch this consumer had when a restarted producer, whose loader could
-        not repeat its order, published that epoch again from its start, in a new order (None:
-        none); that epoch's batches come again after them. A group rank that skipped batches of
-        an epoch to end it level with its group (counted in ``missed``) counts them here too if
-        that epoch starts again once more: ``repeated`` less ``missed`` stays what it had."""
+        """Batches of an epoch it had when a restarted producer that could not repeat its order
+        published that epoch again, in a new order (None: none); a group rank's skipped ones
+        (``missed``) count too if it starts again once more: ``repeated - missed`` is what it had."""
         return self._batches.repeated
 
     @property
     def missed(self) -> int | None:
-        """Producer batches a restored or rejoining consumer lost because the producer no
-        longer had them, or that a group rank skipped to end an epoch started again level with
-        its group's other ranks (None: nothing missed, or not known)."""
+        """Producer batches a restored or rejoining consumer lost because the producer no longer
+        had them, or a group rank skipped to end a restarted epoch level (None: none, or unknown)."""
         restored, rejoins = self._batches.missed, self._shared.missed
         return (restored or 0) + rejoins if restored or rejoins else restored
 
