@@ -202,12 +202,10 @@ class Flow(Replaying, GroupStarts):
         if type(prefetch) is not int or prefetch < 1:
             raise ValueError(f"prefetch must be a positive int, got {prefetch!r}")
         policy = LateJoin(policy)
+        state = ConsumerState(min(prefetch, self.window), None, policy, rejoined=rejoined, had=had)
         if member is not None:
-            state = ConsumerState(min(prefetch, self.window), None, policy, rejoined=rejoined, had=had)
             return self._join_group(cid, state, member, at, ready)
-        state = self.consumers[cid] = ConsumerState(
-            min(prefetch, self.window), None, policy, rejoined=rejoined
-        )
+        self.consumers[cid] = state
         self._place(state, policy, at)
         return self._begin([cid])
 

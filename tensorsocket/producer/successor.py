@@ -192,9 +192,10 @@ def had(config: Config, resume: list[Any] | None, size: int | None) -> int | Non
     flow levels the ranks' shares with it: a rank that had more skips more); None for
     anyone else."""
     if size is None or resume is None or config.restarted is None:
-        return None  # (a restored rank that received nothing since: what its checkpoint had)
+        return None
     if resume[0] != protocol.replaced_streams(config.restarted)[0]:
         return None
+    # (rejoined, or restored and received nothing since: what its checkpoint had)
     return resume[2] // size if resume[1] >= config.restarted[1] else 0
 
 
