@@ -48,8 +48,8 @@ PIPELINE = textwrap.dedent(
 
     def deaf(then=0.0):  # swallows Ctrl-C while it loads, as some imports do
         import sys, time
-        print("loading", file=sys.stderr, flush=True)
-        try:
+        try:  # "loading" inside: a Ctrl-C that lands just after it is swallowed too
+            print("loading", file=sys.stderr, flush=True)
             time.sleep(60)
         except KeyboardInterrupt:
             print("swallowed", file=sys.stderr, flush=True)
@@ -63,8 +63,8 @@ PIPELINE = textwrap.dedent(
             import sys, time
             if not DeafLen.heard:
                 DeafLen.heard = True
-                print("loading", file=sys.stderr, flush=True)
                 try:
+                    print("loading", file=sys.stderr, flush=True)
                     time.sleep(60)
                 except KeyboardInterrupt:
                     print("swallowed", file=sys.stderr, flush=True)
@@ -383,7 +383,10 @@ def test_a_ctrl_c_that_the_pipeline_swallowed_still_stops_serve(
         wait_until(lambda: "loading" in log.read_text(), 60, "the pipeline to start loading")
         serve.send_signal(signal.SIGINT)
         if signals == 2:
-            wait_until(lambda: "swallowed" in log.read_text(), 30, "the first SIGINT to be swallowed")
+            wait_until(
+                lambda: "swallowed" in log.read_text(), 30,
+                lambda: f"the first SIGINT to be swallowed; the log:\n{log.read_text()}",
+            )  # fmt: skip
             serve.send_signal(signal.SIGINT)
         assert serve.wait(timeout=30) == (130 if where == "pipeline" else 0), log.read_text()
         text = log.read_text()

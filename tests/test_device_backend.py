@@ -442,7 +442,7 @@ def test_a_killed_owners_fake_arenas_are_swept(monkeypatch):
     finally:
         if child.is_alive():
             child.kill()
-    assert name in sweep_stale()
+    sweep_stale()  # (a Producer made in another xdist worker may have swept it already)
     assert not os.path.exists(os.path.join(SHM_DIR, name))
 
 

@@ -32,24 +32,20 @@ def test_a_too_large_arena_fails_cleanly_and_leaves_nothing():
         pool.close()
 
 
-def test_sweep_removes_segments_of_dead_owners_only():
+def test_sweep_removes_segments_of_dead_owners_only(tmp_path, monkeypatch):
+    # A directory of its own: a Producer made in another xdist worker sweeps /dev/shm too,
+    # and could take the stale segment first.
+    monkeypatch.setattr(shm, "SHM_DIR", str(tmp_path))
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
     )
     dead_pid = int(dead.stdout)
-    stale = os.path.join(SHM_DIR, f"{PREFIX}{os.getuid()}-{dead_pid}-deadbeef-0-1")
-    live = os.path.join(SHM_DIR, f"{PREFIX}{os.getuid()}-{os.getpid()}-cafef00d-0-1")
+    stale = tmp_path / f"{PREFIX}{os.getuid()}-{dead_pid}-deadbeef-0-1"
+    live = tmp_path / f"{PREFIX}{os.getuid()}-{os.getpid()}-cafef00d-0-1"
     for path in (stale, live):
-        with open(path, "wb") as f:
-            f.write(b"x")
-    try:
-        removed = sweep_stale()
-        assert os.path.basename(stale) in removed
-        assert not os.path.exists(stale) and os.path.exists(live)
-    finally:
-        for path in (stale, live):
-            if os.path.exists(path):
-                os.unlink(path)
+        path.write_bytes(b"x")
+    assert sweep_stale() == [stale.name]
+    assert not stale.exists() and live.exists()
 
 
 def test_producer_and_consumer_views_share_memory_and_regrowth_is_announced():

@@ -443,8 +443,9 @@ def test_a_sigkilled_owners_arenas_are_swept(kind, store):
         os.kill(victim.pid, signal.SIGKILL)
         victim.process.join(REPLY_TIMEOUT)
         assert victim.process.exitcode == -signal.SIGKILL
-        assert shm_segments(victim.pid) == left  # nobody ran a cleanup
-        assert set(left) <= set(sweep_stale())
+        # Only a sweep removes them (a Producer made in another xdist worker sweeps too, so
+        # which sweep took them is not asked).
+        sweep_stale()
         assert shm_segments(victim.pid) == []
         assert shm_segments(os.getpid()) == mine
     finally:
